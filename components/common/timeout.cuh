@@ -1,0 +1,114 @@
+// Bounded spin-waits: every wait on device has a %globaltimer timeout that reports and traps.
+#pragma once
+
+
+#include "utils.cuh"
+
+namespace megamoe {
+
+// One record per SM in host-mapped (pinned) memory, so the host can read it after the trap has
+// poisoned the CUDA context. `valid` is written last.
+// NOTES: the fields from `rank` to `tag_ptr` are laid out exactly as printf's argument buffer for the
+// format in megamoe_report_timeout, so the record itself is handed to vprintf: no local-memory copy,
+// hence no stack frame and no STL in the kernel (DESIGN section 3 checks).
+struct TimeoutRecord {
+    uint32_t rank;
+    uint32_t sm_idx;
+    uint32_t block_idx;
+    uint32_t thread_idx;
+    uint64_t waited_ns;
+    int64_t values[3];
+    const char* tag_ptr;  // points at `tag` below (a device-visible address of this host-mapped record)
+    char tag[16];
+    uint32_t valid;
+    uint32_t reserved;
+};
+static_assert(sizeof(TimeoutRecord) == 80, "TimeoutRecord layout is mirrored in megamoe/jit/diagnostics.py");
+
+constexpr uint32_t kMaxTimeoutRecords = 256;
+
+// Passed by value to every kernel (mirrored by megamoe/jit/diagnostics.py: DeviceEnv).
+struct DeviceEnv {
+    uint64_t timeout_ns;
+    TimeoutRecord* timeout_records;  // kMaxTimeoutRecords entries, host-mapped; may be nullptr
+    uint32_t rank;
+    uint32_t reserved;
+};
+static_assert(sizeof(DeviceEnv) == 24, "DeviceEnv layout is mirrored in megamoe/jit/diagnostics.py");
+
+MEGAMOE_DEVICE uint64_t globaltimer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+MEGAMOE_DEVICE uint32_t sm_id() {
+    uint32_t id;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+    return id;
+}
+
+// printf whose argument buffer is caller-provided memory: the CUDA printf syscall `vprintf(fmt, args)`
+// called directly. The `printf` without arguments in megamoe_report_timeout makes nvcc declare the
+// syscall in the module, which this call relies on.
+MEGAMOE_DEVICE void device_vprintf(const char* fmt, const void* args) {
+    asm volatile(
+        "{\n"
+        ".param .b64 fmt_param;\n"
+        ".param .b64 args_param;\n"
+        ".param .b32 ret_param;\n"
+        "st.param.b64 [fmt_param], %0;\n"
+        "st.param.b64 [args_param], %1;\n"
+        "call.uni (ret_param), vprintf, (fmt_param, args_param);\n"
+        "}\n" ::"l"(fmt), "l"(args)
+        : "memory");
+}
+
+// Cold path: record the diagnostic (rank, SM, block, thread, wait, values, tag), print it, trap.
+// NOTES: `env` is taken by value: taking the address of a kernel parameter would copy it to the stack.
+__device__ __noinline__ void megamoe_report_timeout(const DeviceEnv env, const char* tag, uint64_t waited_ns,
+                                                    int64_t v0, int64_t v1, int64_t v2) {
+    const uint32_t sm_idx = sm_id();
+    if (env.timeout_records != nullptr) {
+        TimeoutRecord* rec = env.timeout_records + (sm_idx % kMaxTimeoutRecords);
+        rec->rank = env.rank;
+        rec->sm_idx = sm_idx;
+        rec->block_idx = blockIdx.x;
+        rec->thread_idx = threadIdx.x;
+        rec->waited_ns = waited_ns;
+        rec->values[0] = v0;
+        rec->values[1] = v1;
+        rec->values[2] = v2;
+        int i = 0;
+        for (; i < 15 and tag[i] != '\0'; ++ i)
+            rec->tag[i] = tag[i];
+        rec->tag[i] = '\0';
+        rec->tag_ptr = rec->tag;
+        __threadfence_system();
+        rec->valid = 1;
+        __threadfence_system();
+        device_vprintf("megamoe timeout: rank %u sm %u block %u thread %u waited %llu ns values (%lld, %lld, %lld) "
+                       "at '%s'\n", rec);
+    } else {
+        printf("megamoe timeout (no host-mapped record to report values to)\n");
+    }
+    __trap();
+}
+
+// Spin until `done()` holds; past env.timeout_ns, report (tag, values()) and trap.
+// `done` is polled first without reading the timer, so an uncontended wait costs one poll.
+template <typename Done, typename Values>
+MEGAMOE_DEVICE void bounded_wait(const DeviceEnv& env, const char* tag, const Done& done, const Values& values) {
+    if (done())
+        return;
+    const uint64_t start_ns = globaltimer_ns();
+    while (not done()) {
+        const uint64_t waited_ns = globaltimer_ns() - start_ns;
+        if (waited_ns > env.timeout_ns) {
+            const auto v = values();
+            megamoe_report_timeout(env, tag, waited_ns, v.x, v.y, v.z);
+        }
+    }
+}
+
+}  // namespace megamoe

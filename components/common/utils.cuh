@@ -1,0 +1,46 @@
+// Small compile-time and device helpers shared by every component.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+#define MEGAMOE_DEVICE __device__ __forceinline__
+#define MEGAMOE_HOST_DEVICE __host__ __device__ __forceinline__
+
+#define MEGAMOE_STRINGIFY_IMPL(x) #x
+#define MEGAMOE_STRINGIFY(x) MEGAMOE_STRINGIFY_IMPL(x)
+// Device assertion: prints where and what, then traps. The message is one literal (printf without
+// arguments), so it costs no stack frame.
+#define MEGAMOE_DEVICE_ASSERT(cond)                                                                       \
+    do {                                                                                                  \
+        if (not(cond)) {                                                                                  \
+            printf(__FILE__ ":" MEGAMOE_STRINGIFY(__LINE__) ": megamoe device assertion failed: " #cond "\n"); \
+            __trap();                                                                                     \
+        }                                                                                                 \
+    } while (0)
+
+namespace megamoe {
+
+template <typename T>
+MEGAMOE_HOST_DEVICE constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
+
+template <typename T>
+MEGAMOE_HOST_DEVICE constexpr T align_up(T a, T b) { return ceil_div(a, b) * b; }
+
+template <typename T>
+MEGAMOE_HOST_DEVICE constexpr bool is_pow2(T a) { return a > 0 and (a & (a - 1)) == 0; }
+
+MEGAMOE_DEVICE uint32_t lane_idx() {
+    uint32_t lane;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+    return lane;
+}
+
+// Warp index, made warp-uniform for the compiler (it cannot prove threadIdx.x / 32 is uniform).
+MEGAMOE_DEVICE uint32_t warp_idx() { return __shfl_sync(0xffffffffu, threadIdx.x / 32, 0); }
+
+MEGAMOE_DEVICE uint32_t smem_addr(const void* ptr) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+}  // namespace megamoe

@@ -1,0 +1,155 @@
+"""Public API (DESIGN section 7): get_symm_buffer, transform_weights, fused. Every function validates its
+arguments and raises ValueError/TypeError naming the argument before any kernel launch."""
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Any
+
+import torch
+
+from megamoe import buffer as _buffer
+from megamoe.layout import SymmLayout, validate_moe_shape
+from megamoe.weights import transform_weights, validate_weights
+
+__all__ = ["get_symm_buffer", "transform_weights", "fused", "validate_fused_args"]
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def _check_tensor(name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (the symmetric buffer's device), got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+    if t.numel() and t.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned, got address {t.data_ptr():#x}")
+
+
+def get_symm_buffer(group: Any, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
+                    intermediate_hidden: int, *, device: torch.device | str | None = None) -> _buffer.SymmBuffer:
+    """Allocate this rank's symmetric buffer (collective over `group`; `group=None` or size 1: one rank).
+
+    `device` defaults to the current CUDA device.
+    """
+    if group is not None:
+        import torch.distributed as dist
+
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    for name, value in (("num_experts", num_experts), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
+                        ("num_topk", num_topk), ("hidden", hidden), ("intermediate_hidden", intermediate_hidden)):
+        if _check_int(name, value) <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if intermediate_hidden % 128:
+        raise ValueError(f"intermediate_hidden must be a multiple of 128, got {intermediate_hidden}")
+    _, num_ranks = _buffer._group_rank_size(group)
+    validate_moe_shape(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden)
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    layout = SymmLayout.create(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                               intermediate_hidden)
+    return _buffer.allocate(group, layout, device)
+
+
+def validate_fused_args(y: Any, l1_weights: Any, l2_weights: Any, buf: Any, num_tokens: int | None = None,
+                        cumulative_local_expert_recv_stats: Any = None, activation_clamp: float | None = None,
+                        fast_math: bool = True, expected_tokens_per_expert: float | None = None,
+                        check_inputs: bool = True) -> int:
+    """Every check of `fused`, returning the token count T. `check_inputs` also reads the routing in the buffer
+    (a device sync; turn it off under CUDA-graph capture)."""
+    if not isinstance(buf, _buffer.SymmBuffer):
+        raise TypeError(f"buf must be a SymmBuffer from megamoe.get_symm_buffer, got {type(buf).__name__}")
+    buf._check_alive()
+    layout, device = buf.layout, buf.device
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
+    if y.dim() != 2:
+        raise ValueError(f"y must be 2-D [num_tokens, hidden], got shape {tuple(y.shape)}")
+    num_tokens = y.shape[0] if num_tokens is None else _check_int("num_tokens", num_tokens)
+    if not 0 <= num_tokens <= layout.num_max_tokens_per_rank:
+        raise ValueError(f"num_tokens must be in [0, num_max_tokens_per_rank={layout.num_max_tokens_per_rank}], "
+                         f"got {num_tokens}")
+    _check_tensor("y", y, torch.bfloat16, (num_tokens, layout.hidden), device)
+
+    shapes = validate_weights(l1_weights, l2_weights)
+    expected = (layout.num_local_experts, layout.hidden, layout.intermediate)
+    got = (shapes.num_local_experts, shapes.hidden, shapes.intermediate)
+    if got != expected:
+        raise ValueError(f"l1_weights/l2_weights must hold (E_local, hidden, intermediate) = {expected} to match the "
+                         f"symmetric buffer, got {got}")
+    if shapes.device != device:
+        raise ValueError(f"l1_weights/l2_weights must be on {device} (the symmetric buffer's device), "
+                         f"got {shapes.device}")
+    if cumulative_local_expert_recv_stats is not None:
+        _check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32,
+                      (layout.num_local_experts,), device)
+    if activation_clamp is not None:
+        if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, Real):
+            raise TypeError(f"activation_clamp must be a float or None, got {type(activation_clamp).__name__}")
+        if not (math.isfinite(activation_clamp) and activation_clamp > 0):
+            raise ValueError(f"activation_clamp must be a finite positive number, got {activation_clamp}")
+    if not isinstance(fast_math, bool):
+        raise TypeError(f"fast_math must be a bool, got {type(fast_math).__name__}")
+    if expected_tokens_per_expert is not None:
+        if isinstance(expected_tokens_per_expert, bool) or not isinstance(expected_tokens_per_expert, Real):
+            raise TypeError(f"expected_tokens_per_expert must be a number or None, "
+                            f"got {type(expected_tokens_per_expert).__name__}")
+        if not (math.isfinite(expected_tokens_per_expert) and expected_tokens_per_expert > 0):
+            raise ValueError(f"expected_tokens_per_expert must be a finite positive number, "
+                             f"got {expected_tokens_per_expert}")
+    if check_inputs and num_tokens > 0:
+        _check_routing(buf, num_tokens)
+    return num_tokens
+
+
+def _check_routing(buf: _buffer.SymmBuffer, num_tokens: int) -> None:
+    """The routing the kernel will read: expert ids in [-1, E), valid ids distinct per token (the pool is sized
+    for that), finite weights, finite positive x_sf."""
+    num_experts = buf.num_experts
+    idx = buf.topk_idx[:num_tokens]
+    bad = (idx < -1) | (idx >= num_experts)
+    if bool(bad.any()):
+        t, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"buf.topk_idx must hold expert ids in [-1, {num_experts}), got {int(idx[t, j])} at "
+                         f"[{t}, {j}]")
+    if idx.shape[1] > 1:
+        ordered = idx.sort(dim=1).values
+        dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+        if bool(dup.any()):
+            t = int(dup.nonzero()[0, 0])
+            raise ValueError(f"buf.topk_idx must route a token to distinct experts, got {idx[t].tolist()} for token {t}")
+    weights = buf.topk_weights[:num_tokens]
+    if not bool(torch.isfinite(weights).all()):
+        raise ValueError("buf.topk_weights must be finite for the first num_tokens rows")
+    x_sf = buf.x_sf[:num_tokens]
+    if not bool((torch.isfinite(x_sf) & (x_sf > 0)).all()):
+        raise ValueError("buf.x_sf must be finite and positive for the first num_tokens rows")
+
+
+def fused(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tensor],
+          l2_weights: tuple[torch.Tensor, torch.Tensor], buf: _buffer.SymmBuffer, num_tokens: int | None = None,
+          cumulative_local_expert_recv_stats: torch.Tensor | None = None, activation_clamp: float | None = None,
+          fast_math: bool = True, expected_tokens_per_expert: float | None = None, *,
+          check_inputs: bool = True) -> None:
+    """Run the MoE layer for this rank's first `num_tokens` tokens in `buf` into `y` (collective over buf.group).
+
+    Weights come from `transform_weights`. `check_inputs=False` skips the routing checks that read device memory.
+    """
+    validate_fused_args(y, l1_weights, l2_weights, buf, num_tokens, cumulative_local_expert_recv_stats,
+                        activation_clamp, fast_math, expected_tokens_per_expert, check_inputs)
+    if buf.device.type != "cuda":
+        raise ValueError(f"fused needs the symmetric buffer on an SM90 CUDA device, got {buf.device}")
+    raise NotImplementedError(
+        "megamoe.fused: the fused kernel is not built yet (it arrives with the assembler, after the gemm, "
+        "dispatch/combine and epilogue components); the arguments passed validation. Use megamoe.reference.moe "
+        "for the numerical contract meanwhile.")

@@ -1,0 +1,79 @@
+"""Device timeout diagnostics: host-mapped records that spin-waits fill before they trap
+(mirrors components/common/timeout.cuh: TimeoutRecord, DeviceEnv)."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from megamoe import envs
+
+MAX_TIMEOUT_RECORDS = 256
+
+
+class TimeoutRecordStruct(ctypes.Structure):
+    _fields_ = [
+        ("rank", ctypes.c_uint32), ("sm_idx", ctypes.c_uint32), ("block_idx", ctypes.c_uint32),
+        ("thread_idx", ctypes.c_uint32), ("waited_ns", ctypes.c_uint64), ("values", ctypes.c_int64 * 3),
+        ("tag_ptr", ctypes.c_uint64), ("tag", ctypes.c_char * 16), ("valid", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+    ]
+
+
+class DeviceEnv(ctypes.Structure):
+    _fields_ = [("timeout_ns", ctypes.c_uint64), ("timeout_records", ctypes.c_uint64),
+                ("rank", ctypes.c_uint32), ("reserved", ctypes.c_uint32)]
+
+
+assert ctypes.sizeof(TimeoutRecordStruct) == 80 and ctypes.sizeof(DeviceEnv) == 24
+
+
+@dataclass(frozen=True)
+class TimeoutReport:
+    rank: int
+    sm_idx: int
+    block_idx: int
+    thread_idx: int
+    waited_ms: float
+    tag: str
+    values: tuple[int, int, int]
+
+    def __str__(self) -> str:
+        return (f"rank {self.rank} SM {self.sm_idx} block {self.block_idx} thread {self.thread_idx}: "
+                f"timed out at '{self.tag}' after {self.waited_ms:.1f} ms, values {self.values}")
+
+
+class TimeoutRecords:
+    """Pinned, device-mapped memory for TimeoutRecord[MAX_TIMEOUT_RECORDS]; readable after a device trap."""
+
+    def __init__(self) -> None:
+        import torch
+
+        from megamoe.jit.runtime import check, cu, ensure_context
+
+        ensure_context(torch.device("cuda", torch.cuda.current_device()))
+        num_bytes = ctypes.sizeof(TimeoutRecordStruct) * MAX_TIMEOUT_RECORDS
+        flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE
+        self.host_ptr = int(check(cu.cuMemHostAlloc(num_bytes, flags)))
+        ctypes.memset(self.host_ptr, 0, num_bytes)
+        self.device_ptr = int(check(cu.cuMemHostGetDevicePointer(self.host_ptr, 0)))
+        self.records = (TimeoutRecordStruct * MAX_TIMEOUT_RECORDS).from_address(self.host_ptr)
+
+    def device_env(self, rank: int = 0, timeout_s: float | None = None) -> DeviceEnv:
+        seconds = envs.timeout_s() if timeout_s is None else timeout_s
+        return DeviceEnv(int(seconds * 1e9), self.device_ptr, rank, 0)
+
+    def reports(self) -> list[TimeoutReport]:
+        return [TimeoutReport(r.rank, r.sm_idx, r.block_idx, r.thread_idx, r.waited_ns / 1e6,
+                              r.tag.decode(errors="replace"), tuple(r.values))
+                for r in self.records if r.valid]
+
+
+_records: TimeoutRecords | None = None
+
+
+def timeout_records() -> TimeoutRecords:
+    """The process-wide records (allocated on first use)."""
+    global _records
+    if _records is None:
+        _records = TimeoutRecords()
+    return _records

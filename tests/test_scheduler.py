@@ -1,0 +1,153 @@
+"""Wave scheduler model: every tile exactly once, per-SM walk equals the global striding, no deadlock."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megamoe.scheduler import (
+    ScheduleError,
+    Task,
+    check_schedule,
+    iterate_sm,
+    num_m_blocks,
+    num_pool_blocks,
+    pool_offsets,
+    schedule,
+    task_sequence,
+)
+
+
+def _routings() -> dict[str, list[int]]:
+    rng = random.Random(1234)
+    return {
+        "uniform": [96] * 8,
+        "skewed": [0, 0, 5000, 0, 0, 0, 0, 0],
+        "empty_experts": [0, 33, 0, 128, 1, 0, 64, 0],
+        "all_zero": [0] * 6,
+        "single_expert": [77],
+        "random_small": [rng.randint(0, 40) for _ in range(16)],
+        "random_large": [rng.randint(0, 700) for _ in range(12)],
+        "random_sparse": [rng.choice((0, 0, 0, rng.randint(1, 300))) for _ in range(48)],
+    }
+
+
+ROUTINGS = _routings()
+# (block_m, num_l1_n_blocks = 2I/128, num_l2_n_blocks = H/128, num_experts_per_wave, num_sms)
+GEOMETRIES = [
+    (32, 4, 2, 1, 7),
+    (64, 32, 32, 2, 132),
+    (128, 48, 56, 3, 132),
+    (128, 2, 1, 4, 78),
+    (32, 3, 5, 5, 1),
+    (64, 1, 1, 16, 1000),  # more SMs than tasks
+]
+
+
+def test_num_m_blocks_and_pool_offsets() -> None:
+    assert [num_m_blocks(n, 32) for n in (0, 1, 32, 33, 64)] == [0, 1, 1, 2, 2]
+    assert pool_offsets([0, 1, 32, 33, 0, 5], 32) == [0, 0, 32, 64, 128, 128]
+    assert pool_offsets([130, 0, 1], 128) == [0, 256, 256]
+    assert num_pool_blocks([0, 1, 32, 33, 0, 5], 32) == 5
+    assert all(o % 64 == 0 for o in pool_offsets([3, 70, 129, 1], 64))
+    with pytest.raises(ValueError, match="block_m"):
+        pool_offsets([1], 48)
+    with pytest.raises(ValueError, match="num_tokens_per_expert"):
+        pool_offsets([1, -1], 32)
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS), ids=list(ROUTINGS))
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[f"bm{g[0]}-n{g[1]}x{g[2]}-w{g[3]}-sm{g[4]}" for g in GEOMETRIES])
+@pytest.mark.parametrize("n_major_l2", [False, True], ids=["m_major", "n_major"])
+def test_every_tile_once_and_iterate_sm_matches(routing: str, geometry: tuple, n_major_l2: bool) -> None:
+    counts = ROUTINGS[routing]
+    block_m, num_l1_n, num_l2_n, per_wave, num_sms = geometry
+    kwargs = dict(block_m=block_m, num_l1_n_blocks=num_l1_n, num_l2_n_blocks=num_l2_n,
+                  num_experts_per_wave=per_wave, num_sms=num_sms, n_major_l2=n_major_l2)
+    per_sm = schedule(counts, **kwargs)
+    assert len(per_sm) == num_sms
+    num_tasks = check_schedule(per_sm, counts, block_m=block_m, num_l1_n_blocks=num_l1_n, num_l2_n_blocks=num_l2_n)
+    num_blocks = sum(num_m_blocks(c, block_m) for c in counts)
+    assert num_tasks == num_blocks * (num_l1_n + num_l2_n)
+    assert sum(len(tasks) for tasks in per_sm) == num_tasks
+    # The per-SM walk (the device form) yields exactly the same tasks in the same order.
+    for sm_idx in range(num_sms):
+        assert list(iterate_sm(sm_idx, counts, **kwargs)) == per_sm[sm_idx]
+
+
+@pytest.mark.parametrize("n_major_l2", [False, True])
+def test_sequence_order(n_major_l2: bool) -> None:
+    counts = [40, 0, 70, 10]
+    sequence = task_sequence(counts, block_m=32, num_l1_n_blocks=2, num_l2_n_blocks=3,
+                             num_experts_per_wave=2, n_major_l2=n_major_l2)
+    phases = [(t.phase, t.expert_idx) for t in sequence]
+    # Wave 0 = experts 0, 1 (expert 1 empty): L1 of expert 0, then its L2; wave 1 = experts 2, 3.
+    assert phases == ([("l1", 0)] * 4 + [("l2", 0)] * 6
+                      + [("l1", 2)] * 6 + [("l1", 3)] * 2 + [("l2", 2)] * 9 + [("l2", 3)] * 3)
+    l1 = [(t.m_block_idx, t.n_block_idx) for t in sequence if t.phase == "l1" and t.expert_idx == 2]
+    assert l1 == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    l2 = [(t.m_block_idx, t.n_block_idx) for t in sequence if t.phase == "l2" and t.expert_idx == 2]
+    if n_major_l2:
+        assert l2 == [(m, n) for n in range(3) for m in range(3)]
+    else:
+        assert l2 == [(m, n) for m in range(3) for n in range(3)]
+    assert {t.pool_block_idx for t in sequence if t.expert_idx == 3} == {2 + 3}
+    assert sequence[0] == Task("l1", 0, 0, 0, 0)
+
+
+def test_dependencies_have_smaller_global_index() -> None:
+    rng = random.Random(7)
+    for _ in range(50):
+        counts = [rng.choice((0, rng.randint(1, 400))) for _ in range(rng.randint(1, 24))]
+        block_m = rng.choice((32, 64, 128))
+        per_wave = rng.randint(1, len(counts))
+        n_major = rng.random() < 0.5
+        sequence = task_sequence(counts, block_m=block_m, num_l1_n_blocks=rng.randint(1, 48),
+                                 num_l2_n_blocks=rng.randint(1, 56), num_experts_per_wave=per_wave,
+                                 n_major_l2=n_major)
+        last_l1: dict[tuple[int, int], int] = {}
+        for g, task in enumerate(sequence):
+            if task.phase == "l1":
+                last_l1[(task.expert_idx, task.m_block_idx)] = g
+        for g, task in enumerate(sequence):
+            if task.phase == "l2":
+                # The L1 tasks of (expert, m) all precede it: the last one has a smaller global index.
+                assert last_l1[(task.expert_idx, task.m_block_idx)] < g
+
+
+def test_check_schedule_catches_errors() -> None:
+    counts = [40, 70]
+    kwargs = dict(block_m=32, num_l1_n_blocks=2, num_l2_n_blocks=2)
+    good = schedule(counts, **kwargs, num_experts_per_wave=1, num_sms=3, n_major_l2=False)
+    check_schedule(good, counts, **kwargs)
+    # A missing tile
+    with pytest.raises(ScheduleError):
+        check_schedule([good[0], good[1], good[2][:-1]], counts, **kwargs)
+    # A duplicated tile
+    with pytest.raises(ScheduleError):
+        check_schedule([good[0], good[1], good[2][:-1] + [good[0][0]]], counts, **kwargs)
+    # L2 before its L1 dependency: swap the whole sequence into L2-first order
+    sequence = task_sequence(counts, **kwargs, num_experts_per_wave=1, n_major_l2=False)
+    sequence = sorted(sequence, key=lambda t: t.phase != "l2")
+    bad = [sequence[s::3] for s in range(3)]
+    with pytest.raises(ScheduleError, match="precedes"):
+        check_schedule(bad, counts, **kwargs)
+    # Wrong pool block
+    broken = [list(sm) for sm in good]
+    t = broken[0][0]
+    broken[0][0] = Task(t.phase, t.expert_idx, t.m_block_idx, t.n_block_idx, t.pool_block_idx + 1)
+    with pytest.raises(ScheduleError, match="pool_block_idx"):
+        check_schedule(broken, counts, **kwargs)
+
+
+def test_argument_validation() -> None:
+    kwargs = dict(block_m=32, num_l1_n_blocks=2, num_l2_n_blocks=2, num_experts_per_wave=1, num_sms=4,
+                  n_major_l2=False)
+    with pytest.raises(ValueError, match="sm_idx"):
+        list(iterate_sm(4, [1], **kwargs))
+    with pytest.raises(ValueError, match="num_sms"):
+        schedule([1], **{**kwargs, "num_sms": 0})
+    with pytest.raises(ValueError, match="num_experts_per_wave"):
+        schedule([1], **{**kwargs, "num_experts_per_wave": 0})
+    with pytest.raises(ValueError, match="block_m"):
+        schedule([1], **{**kwargs, "block_m": 16})
