@@ -1,0 +1,131 @@
+"""Weight layout of the fused kernel (DESIGN section 4): the L1 gate/up row interleave, and weight validation.
+
+The transform is a pure row permutation of w1, given by `l1_interleave_permutation`; its inverse uses the same
+permutation, so `inverse_transform_weights(*transform_weights(l1, l2))` gives back the inputs bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .quant import BLOCK
+
+__all__ = [
+    "INTERLEAVE",
+    "WeightShapes",
+    "inverse_transform_weights",
+    "l1_interleave_permutation",
+    "transform_weights",
+    "validate_weights",
+]
+
+# Gate and up rows alternate in groups of this many rows: [g0..g7, u0..u7, g8..g15, u8..u15, ...].
+INTERLEAVE = 8
+
+WeightPair = tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class WeightShapes:
+    """Sizes read off a validated (l1, l2) weight pair."""
+
+    num_local_experts: int
+    hidden: int
+    intermediate: int
+    device: torch.device
+
+
+def _check_pair(name: str, pair: object) -> WeightPair:
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise TypeError(f"{name} must be a (weight, scale) tuple of two tensors, got {type(pair).__name__}"
+                        + (f" of length {len(pair)}" if isinstance(pair, (tuple, list)) else ""))
+    for i, t in enumerate(pair):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    return pair[0], pair[1]
+
+
+def _check_tensor(name: str, t: Tensor, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device,
+                  require_contiguous: bool) -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of w1), got {t.device}")
+    if require_contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+
+
+def validate_weights(l1_weights: object, l2_weights: object, *, require_contiguous: bool = True,
+                     label: str = "") -> WeightShapes:
+    """Check (w1, w1_sf), (w2, w2_sf) against DESIGN section 4 and return their sizes.
+
+    w1 float8_e4m3fn [E_local, 2I, H], w1_sf float32 [E_local, 2I/128, H/128], w2 float8_e4m3fn [E_local, H, I],
+    w2_sf float32 [E_local, H/128, I/128], all on one device, H % 128 == 0, I % 128 == 0. `label` (e.g. " (rank 1)")
+    is appended to argument names in error messages.
+    """
+    w1, w1_sf = _check_pair(f"l1_weights{label}", l1_weights)
+    w2, w2_sf = _check_pair(f"l2_weights{label}", l2_weights)
+    if w1.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"w1{label} must be torch.float8_e4m3fn, got {w1.dtype}")
+    if w1.dim() != 3:
+        raise ValueError(f"w1{label} must be 3-D [E_local, 2*intermediate, hidden], got shape {tuple(w1.shape)}")
+    num_local_experts, two_i, hidden = w1.shape
+    if num_local_experts < 1:
+        raise ValueError(f"w1{label} must hold at least one expert, got shape {tuple(w1.shape)}")
+    if hidden % BLOCK != 0 or hidden == 0:
+        raise ValueError(f"hidden (w1{label}.shape[2]) must be a positive multiple of {BLOCK}, got {hidden}")
+    if two_i % (2 * BLOCK) != 0 or two_i == 0:
+        raise ValueError(f"2*intermediate (w1{label}.shape[1]) must be a positive multiple of {2 * BLOCK} "
+                         f"(intermediate % {BLOCK} == 0), got {two_i}")
+    intermediate = two_i // 2
+    device = w1.device
+    _check_tensor(f"w1{label}", w1, torch.float8_e4m3fn, (num_local_experts, two_i, hidden), device,
+                  require_contiguous)
+    _check_tensor(f"w1_sf{label}", w1_sf, torch.float32, (num_local_experts, two_i // BLOCK, hidden // BLOCK),
+                  device, require_contiguous)
+    _check_tensor(f"w2{label}", w2, torch.float8_e4m3fn, (num_local_experts, hidden, intermediate), device,
+                  require_contiguous)
+    _check_tensor(f"w2_sf{label}", w2_sf, torch.float32, (num_local_experts, hidden // BLOCK, intermediate // BLOCK),
+                  device, require_contiguous)
+    return WeightShapes(num_local_experts, hidden, intermediate, device)
+
+
+def l1_interleave_permutation(intermediate: int, device: torch.device | str = "cpu") -> Tensor:
+    """int64 [2I]: interleaved row i of w1 is natural row perm[i] (gate rows [0, I), up rows [I, 2I)).
+
+    perm = [0..7, I+0..I+7, 8..15, I+8..I+15, ...].
+    """
+    if not isinstance(intermediate, int) or intermediate <= 0 or intermediate % INTERLEAVE != 0:
+        raise ValueError(f"intermediate must be a positive multiple of {INTERLEAVE}, got {intermediate!r}")
+    rows = torch.arange(intermediate, device=device).view(-1, INTERLEAVE)  # [I/8, 8] gate rows per group
+    return torch.stack([rows, rows + intermediate], dim=1).flatten()
+
+
+def _permute_rows(w1: Tensor, perm: Tensor) -> Tensor:
+    """w1[:, perm] as a new contiguous tensor (gathered as bytes: FP8 index kernels are not on every build)."""
+    return w1.view(torch.uint8).index_select(1, perm.to(w1.device)).view(w1.dtype)
+
+
+def transform_weights(l1_weights: WeightPair, l2_weights: WeightPair) -> tuple[WeightPair, WeightPair]:
+    """Natural weights -> the fused kernel's layout: ((w1_interleaved, w1_sf), (w2, w2_sf)).
+
+    w1's rows are interleaved in groups of 8 (`l1_interleave_permutation`) into a new contiguous tensor. w1_sf, w2
+    and w2_sf are returned as the same tensor objects (no copy): scales stay in the natural
+    [E_local, N/128, K/128] layout, L2 is unchanged.
+    """
+    shapes = validate_weights(l1_weights, l2_weights)
+    w1, w1_sf = l1_weights
+    perm = l1_interleave_permutation(shapes.intermediate, device=shapes.device)
+    return (_permute_rows(w1, perm), w1_sf), (l2_weights[0], l2_weights[1])
+
+
+def inverse_transform_weights(l1_weights: WeightPair, l2_weights: WeightPair) -> tuple[WeightPair, WeightPair]:
+    """The kernel's layout -> natural weights; exact inverse of `transform_weights` (same aliasing rules)."""
+    shapes = validate_weights(l1_weights, l2_weights)
+    w1, w1_sf = l1_weights
+    perm = l1_interleave_permutation(shapes.intermediate, device=shapes.device)
+    return (_permute_rows(w1, torch.argsort(perm)), w1_sf), (l2_weights[0], l2_weights[1])
