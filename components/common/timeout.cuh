@@ -65,9 +65,11 @@ MEGAMOE_DEVICE void device_vprintf(const char* fmt, const void* args) {
 }
 
 // Cold path: record the diagnostic (rank, SM, block, thread, wait, values, tag), print it, trap.
-// NOTES: `env` is taken by value: taking the address of a kernel parameter would copy it to the stack.
-__device__ __noinline__ void megamoe_report_timeout(const DeviceEnv env, const char* tag, uint64_t waited_ns,
-                                                    int64_t v0, int64_t v1, int64_t v2) {
+// kPrint = false skips the printf: any function call (printf is one) in a warpgroup that issues WGMMA makes
+// ptxas serialize its wgmma pipeline (C7510), so the math warpgroups report through the record only.
+template <bool kPrint>
+MEGAMOE_DEVICE void megamoe_report_timeout(const DeviceEnv& env, const char* tag, uint64_t waited_ns, int64_t v0,
+                                           int64_t v1, int64_t v2) {
     const uint32_t sm_idx = sm_id();
     if (env.timeout_records != nullptr) {
         TimeoutRecord* rec = env.timeout_records + (sm_idx % kMaxTimeoutRecords);
@@ -87,9 +89,10 @@ __device__ __noinline__ void megamoe_report_timeout(const DeviceEnv env, const c
         __threadfence_system();
         rec->valid = 1;
         __threadfence_system();
-        device_vprintf("megamoe timeout: rank %u sm %u block %u thread %u waited %llu ns values (%lld, %lld, %lld) "
+        if constexpr (kPrint)
+            device_vprintf("megamoe timeout: rank %u sm %u block %u thread %u waited %llu ns values (%lld, %lld, %lld) "
                        "at '%s'\n", rec);
-    } else {
+    } else if constexpr (kPrint) {
         printf("megamoe timeout (no host-mapped record to report values to)\n");
     }
     __trap();
@@ -97,7 +100,7 @@ __device__ __noinline__ void megamoe_report_timeout(const DeviceEnv env, const c
 
 // Spin until `done()` holds; past env.timeout_ns, report (tag, values()) and trap.
 // `done` is polled first without reading the timer, so an uncontended wait costs one poll.
-template <typename Done, typename Values>
+template <bool kPrint = true, typename Done, typename Values>
 MEGAMOE_DEVICE void bounded_wait(const DeviceEnv& env, const char* tag, const Done& done, const Values& values) {
     if (done())
         return;
@@ -106,7 +109,7 @@ MEGAMOE_DEVICE void bounded_wait(const DeviceEnv& env, const char* tag, const Do
         const uint64_t waited_ns = globaltimer_ns() - start_ns;
         if (waited_ns > env.timeout_ns) {
             const auto v = values();
-            megamoe_report_timeout(env, tag, waited_ns, v.x, v.y, v.z);
+            megamoe_report_timeout<kPrint>(env, tag, waited_ns, v.x, v.y, v.z);
         }
     }
 }

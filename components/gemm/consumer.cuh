@@ -1,0 +1,129 @@
+// Consumer side of the GEMM pipeline: a math warpgroup runs WGMMA over each 128-K block into a fresh
+// partial accumulator, then promotes it into the fp32 accumulator with the activation and weight scales:
+// acc += partial * sfa[row] * sfb (DESIGN section 4: promotion per block).
+#pragma once
+
+#include "common/wgmma.cuh"
+#include "gemm/pipeline.cuh"
+#include "gemm/traits.cuh"
+
+namespace megamoe::gemm {
+
+using WGMMA = ptx::WGMMA_M64N128K32_E4M3;
+
+// Where this thread's accumulator values sit in the tile (see WGMMA_M64N128K32_E4M3's fragment).
+struct Fragment {
+    uint32_t row;  // tile row of d[4 j + 0, 1]; d[4 j + 2, 3] is row + 8
+    uint32_t col;  // tile column of d[4 j + 0] is col + 8 j; d[4 j + 1] is one to the right
+
+    MEGAMOE_DEVICE static Fragment of(uint32_t math_wg_idx, uint32_t thread_in_wg) {
+        const uint32_t warp_in_wg = thread_in_wg / 32, lane = thread_in_wg % 32;
+        return {math_wg_idx * 64 + warp_in_wg * 16 + lane / 4, (lane % 4) * 2};
+    }
+};
+
+// Pointers to the weight SFs of one tile, one float per K block (read with __ldg).
+template <typename T>
+struct WeightScales {
+    const float* first;   // L1: gate rows; L2: the tile's rows
+    const float* second;  // L1: up rows; L2: unused
+
+    // w_sf is [E, N / 128, K / 128]. L1 (interleaved tile n holds gate rows [64 n, 64 n + 64) and up rows
+    // [I + 64 n, ...)): gate SF row n / 2, up SF row I / 128 + n / 2.
+    MEGAMOE_DEVICE static WeightScales of(const float* w_sf, uint32_t expert_idx, uint32_t n_block_idx) {
+        const float* expert_sf = w_sf + expert_idx * T::kNumNBlocks * T::kNumKBlocks;
+        if constexpr (T::kScaleMode == ScaleMode::kL1GateUp) {
+            constexpr uint32_t kNumGateSfRows = T::kNumNBlocks / 2;
+            return {expert_sf + (n_block_idx / 2) * T::kNumKBlocks,
+                    expert_sf + (kNumGateSfRows + n_block_idx / 2) * T::kNumKBlocks};
+        } else {
+            return {expert_sf + n_block_idx * T::kNumKBlocks, nullptr};
+        }
+    }
+};
+
+// Issue the WGMMAs of K steps [kFirst, kLast) of the stage into `d` (the first one overwrites d).
+template <typename T, uint32_t kFirst, uint32_t kLast>
+MEGAMOE_DEVICE void issue_k_steps(uint64_t desc_a, uint64_t desc_b, float (&d)[WGMMA::kNumAccum]) {
+    #pragma unroll
+    for (uint32_t k = kFirst; k < kLast; ++ k)
+        WGMMA::mma(ptx::advance_smem_desc(desc_a, k * T::WGMMA_K), ptx::advance_smem_desc(desc_b, k * T::WGMMA_K), d,
+                   k != kFirst);
+}
+
+// acc[4 j + 0, 1] += d * scale_lo[j], acc[4 j + 2, 3] += d * scale_hi[j]: scale for the row pair per chunk parity.
+MEGAMOE_DEVICE void promote(float (&acc)[WGMMA::kNumAccum], const float (&d)[WGMMA::kNumAccum], float row0_even,
+                            float row0_odd, float row8_even, float row8_odd) {
+    #pragma unroll
+    for (uint32_t j = 0; j < WGMMA::N / 8; ++ j) {
+        const float s0 = j % 2 == 0 ? row0_even : row0_odd;
+        const float s8 = j % 2 == 0 ? row8_even : row8_odd;
+        acc[4 * j + 0] = fmaf(d[4 * j + 0], s0, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(d[4 * j + 1], s0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(d[4 * j + 2], s8, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(d[4 * j + 3], s8, acc[4 * j + 3]);
+    }
+}
+
+// Accumulate one tile into `acc` (which the caller zeroes): all K blocks, promoted per block.
+// NOTES: each warp releases the stage right after its wgmma.wait_group 0 (its reads of the stage are
+// complete) and after reading the stage's SFA into registers; the empty barrier counts every math warp.
+template <typename T>
+MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
+                                 const GemmSmem<T>& smem, const WeightScales<T>& weight_scales,
+                                 uint32_t math_wg_idx, uint32_t thread_in_wg, float (&acc)[WGMMA::kNumAccum],
+                                 const DeviceEnv& env) {
+    const Fragment frag = Fragment::of(math_wg_idx, thread_in_wg);
+    const uint32_t lane = thread_in_wg % 32;
+    // BLOCK_M = 32: warps 2, 3 of the warpgroup hold WGMMA rows 32..63, which are discarded (warp-uniform)
+    const bool has_rows = frag.row - frag.row % 16 < T::BLOCK_M;
+    const uint32_t a_offset = math_wg_idx * T::WGMMA_M * T::BLOCK_K;
+    float d[WGMMA::kNumAccum];
+
+    for (uint32_t k_block_idx = 0; k_block_idx < T::kNumKBlocks; ++ k_block_idx) {
+        // Weight SFs first: their global-load latency hides behind the barrier wait and the WGMMAs
+        const float sfb0 = __ldg(weight_scales.first + k_block_idx);
+        const float sfb1 = T::kScaleMode == ScaleMode::kL1GateUp ? __ldg(weight_scales.second + k_block_idx) : sfb0;
+
+        pipeline.consumer_wait(env, state);
+        const float* sfa = smem.sfa(state.stage);
+        const float sfa0 = has_rows ? sfa[frag.row] : 0.0f;
+        const float sfa8 = has_rows ? sfa[frag.row + 8] : 0.0f;
+
+        const uint64_t desc_a = ptx::make_smem_desc_k_major_sw128(smem.a(state.stage) + a_offset);
+        const uint64_t desc_b = ptx::make_smem_desc_k_major_sw128(smem.b(state.stage));
+        if constexpr (T::kScaleMode == ScaleMode::kL1GateUp) {
+            ptx::fence_operands(d);
+            ptx::wgmma_fence();
+            issue_k_steps<T, 0, T::kNumKSteps>(desc_a, desc_b, d);
+            ptx::wgmma_commit_group();
+            ptx::wgmma_wait_group<0>();
+            ptx::fence_operands(d);
+            pipeline.consumer_release(state, lane);
+            if (has_rows)
+                promote(acc, d, sfa0 * sfb0, sfa0 * sfb1, sfa8 * sfb0, sfa8 * sfb1);
+        } else {
+            // Two K = 64 batches: the second half's SFs sit BLOCK_M floats after the first half's
+            const float sfa0_hi = has_rows ? sfa[T::BLOCK_M + frag.row] : 0.0f;
+            const float sfa8_hi = has_rows ? sfa[T::BLOCK_M + frag.row + 8] : 0.0f;
+            float d_hi[WGMMA::kNumAccum];
+            ptx::fence_operands(d);
+            ptx::fence_operands(d_hi);
+            ptx::wgmma_fence();
+            issue_k_steps<T, 0, T::kNumKSteps / 2>(desc_a, desc_b, d);
+            issue_k_steps<T, T::kNumKSteps / 2, T::kNumKSteps>(desc_a, desc_b, d_hi);
+            ptx::wgmma_commit_group();
+            ptx::wgmma_wait_group<0>();
+            ptx::fence_operands(d);
+            ptx::fence_operands(d_hi);
+            pipeline.consumer_release(state, lane);
+            if (has_rows) {
+                promote(acc, d, sfa0 * sfb0, sfa0 * sfb0, sfa8 * sfb0, sfa8 * sfb0);
+                promote(acc, d_hi, sfa0_hi * sfb0, sfa0_hi * sfb0, sfa8_hi * sfb0, sfa8_hi * sfb0);
+            }
+        }
+        state.advance();
+    }
+}
+
+}  // namespace megamoe::gemm

@@ -1,0 +1,69 @@
+// The shared-memory ring between the TMA producer warps and the math warpgroups: kNumStages stages,
+// each guarded by a full barrier (TMA bytes landed) and an empty barrier (all math warps done reading).
+#pragma once
+
+#include "common/mbarrier.cuh"
+
+namespace megamoe::gemm {
+
+// Position in the ring. The phase flips each time the stage index wraps: the one place for that arithmetic,
+// used by producers and consumers alike.
+template <uint32_t kNumStages>
+struct PipelineState {
+    uint32_t stage = 0;
+    uint32_t phase = 0;
+
+    MEGAMOE_DEVICE void advance() {
+        if (++ stage == kNumStages) {
+            stage = 0;
+            phase ^= 1;
+        }
+    }
+};
+
+template <uint32_t kNumStages>
+struct Pipeline {
+    uint64_t* full_barriers;   // [kNumStages], 2 arrivals (TMA-A and TMA-B warps) + transaction bytes
+    uint64_t* empty_barriers;  // [kNumStages], one arrival per math warp
+
+    // One thread initializes; fence_mbarrier_init + a CTA barrier must follow before use.
+    MEGAMOE_DEVICE void init(uint32_t num_producers, uint32_t num_consumer_warps) const {
+        #pragma unroll
+        for (uint32_t i = 0; i < kNumStages; ++ i) {
+            ptx::mbarrier_init(full_barriers + i, num_producers);
+            ptx::mbarrier_init(empty_barriers + i, num_consumer_warps);
+        }
+    }
+
+    // NOTES: both waits report a timeout through the host-mapped record only (kPrint = false): a printf
+    // call anywhere in a loop of this kernel makes ptxas serialize the math warpgroups' WGMMAs (C7510).
+
+    // Producer acquire: wait until the math warps released this stage's previous use.
+    // NOTES: waiting with the flipped parity returns at once on the first pass through the ring, when the
+    // barrier's phase 0 is still pending (the "previous" phase counts as complete).
+    MEGAMOE_DEVICE void producer_acquire(const DeviceEnv& env, const PipelineState<kNumStages>& state) const {
+        ptx::mbarrier_wait<false>(env, "gemm_empty", empty_barriers + state.stage, state.phase ^ 1);
+    }
+
+    // Producer commit: arrive on the full barrier expecting the bytes this producer's TMA loads will deliver.
+    MEGAMOE_DEVICE void producer_commit(const PipelineState<kNumStages>& state, uint32_t num_bytes) const {
+        ptx::mbarrier_arrive_expect_tx(full_barriers + state.stage, num_bytes);
+    }
+
+    MEGAMOE_DEVICE uint64_t* full_barrier(const PipelineState<kNumStages>& state) const {
+        return full_barriers + state.stage;
+    }
+
+    // Consumer wait: until both producers' bytes for this stage have landed.
+    MEGAMOE_DEVICE void consumer_wait(const DeviceEnv& env, const PipelineState<kNumStages>& state) const {
+        ptx::mbarrier_wait<false>(env, "gemm_full", full_barriers + state.stage, state.phase);
+    }
+
+    // Consumer release: one arrival per math warp, after that warp's wgmma reads of the stage completed.
+    MEGAMOE_DEVICE void consumer_release(const PipelineState<kNumStages>& state, uint32_t lane) const {
+        if (lane == 0)
+            ptx::mbarrier_arrive(empty_barriers + state.stage);
+    }
+};
+
+}  // namespace megamoe::gemm

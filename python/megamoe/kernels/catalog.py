@@ -1,0 +1,48 @@
+"""Every kernel variant the gpu tier and the benchmarks launch, in one list: the compile tier checks each of them
+(DESIGN section 3) and `megamoe jit warm` compiles them ahead, so a GPU machine runs from the carried cache."""
+from __future__ import annotations
+
+from megamoe.jit import compiler
+from megamoe.jit.checks import CheckOptions
+from megamoe.kernels import gemm, smoke
+
+# Per-expert row counts of the random-input GEMM tests (DESIGN / issue: 0, non-multiples of BLOCK_M, ...).
+GEMM_RANDOM_COUNTS = [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000]
+GEMM_EXACT_COUNTS = [0, 1, 33, 64, 129, 200]
+
+GEMM_EXACT_CONFIGS = [gemm.GemmConfig(block_m, mode, n, k, len(GEMM_EXACT_COUNTS))
+                      for block_m in (32, 64, 128) for mode, n, k in (("l1", 1024, 2048), ("l2", 1024, 1024))]
+# (mode, N, K) covering K in {2048, 4096, 7168} and N in {2048, 4096, 6144}, each BLOCK_M at least once
+GEMM_RANDOM_CONFIGS = [
+    gemm.GemmConfig(128, "l1", 6144, 7168, len(GEMM_RANDOM_COUNTS)),
+    gemm.GemmConfig(64, "l1", 4096, 4096, len(GEMM_RANDOM_COUNTS)),
+    gemm.GemmConfig(32, "l1", 2048, 2048, len(GEMM_RANDOM_COUNTS)),
+    gemm.GemmConfig(128, "l2", 4096, 2048, len(GEMM_RANDOM_COUNTS)),
+    gemm.GemmConfig(64, "l2", 6144, 4096, len(GEMM_RANDOM_COUNTS)),
+    gemm.GemmConfig(32, "l2", 2048, 7168, len(GEMM_RANDOM_COUNTS)),
+]
+GEMM_BENCH_CONFIGS = [
+    gemm.GemmConfig(64, "l1", 4096, 4096, 32),    # decode-like: 32 groups x 24 rows
+    gemm.GemmConfig(128, "l1", 4096, 4096, 32),   # prefill-like: 32 groups x 1536 rows
+    gemm.GemmConfig(128, "l1", 4096, 7168, 4),    # 4 groups x 8192 rows
+    gemm.GemmConfig(128, "l2", 4096, 2048, 32),   # L2 mode: 32 groups x 1536 rows
+]
+SMOKE_CONFIGS = [smoke.SmokeConfig(32, 32, True), smoke.SmokeConfig(32, 64, False)]
+
+
+def all_variants() -> list[tuple[str, object, CheckOptions]]:
+    """(name, config, compile checks) for every variant, deduplicated."""
+    out: dict[str, tuple[str, object, CheckOptions]] = {}
+    for config in SMOKE_CONFIGS:
+        out[config.name] = (config.name, config, CheckOptions())
+    for config in GEMM_EXACT_CONFIGS + GEMM_RANDOM_CONFIGS + GEMM_BENCH_CONFIGS:
+        out[config.name] = (config.name, config, CheckOptions(expect_qgmma=True))
+    return list(out.values())
+
+
+def compile_variant(config: object) -> compiler.CompileResult:
+    if isinstance(config, smoke.SmokeConfig):
+        return smoke.compile_smoke(config)
+    if isinstance(config, gemm.GemmConfig):
+        return gemm.compile_gemm(config)
+    raise TypeError(f"unknown kernel config {config!r}")
