@@ -44,10 +44,17 @@ def test_gemm_bit_exact(config: gemm.GemmConfig) -> None:
         _check_padding_untouched(problem, d)
 
 
-# Tolerance (random inputs, BF16 outputs of fp32 accumulators): the kernel's WGMMA accumulates each 128-K block
-# in the tensor cores' reduced precision, the reference exactly; both round to BF16 (rel 2^-9 = 2e-3).
-# Measured on the H200 (see the closing note of the GEMM issue): rel-L2 per expert <= MAX_REL_L2.
-MAX_REL_L2 = 2e-3
+# Tolerance (random inputs, BF16 outputs of fp32 accumulators). The kernel accumulates each 128-K block in the
+# tensor cores' reduced precision (~2^-14 relative), the reference exactly (float64 dots); both round to BF16.
+# So the kernel must equal the BF16-rounded reference except where the fp32 value sits near a BF16 rounding
+# boundary (a flip of one BF16 step), and every element must lie within one BF16 step (2^-8 relative) of the
+# fp32 reference, plus an absolute floor for outputs that nearly cancel: the tensor cores' accumulation error is
+# relative to the block partials, not to the (possibly cancelled) output, ~2^-14 of the partials per block and
+# over many blocks a few 2^-13 of the expert's RMS output in the tails — the floor is 2^-10 RMS.
+# Measured on the H200, 2026-11-29: rel-L2 against the fp32 reference 1.67e-3 on every case (the BF16 rounding
+# itself, ~2^-9 / sqrt(3)); with a floor of 2^-12 RMS, 1 to 5 outputs per 1e6 fell outside (the tails above).
+MAX_REL_L2_VS_FP32 = 2e-3
+MAX_FLIP_FRACTION = 0.01
 
 
 @pytest.mark.parametrize("config", catalog.GEMM_RANDOM_CONFIGS, ids=lambda c: c.name)
@@ -56,17 +63,25 @@ def test_gemm_random(config: gemm.GemmConfig) -> None:
     d = _poisoned_output(problem)
     gemm.run_problem(problem, d)
     torch.cuda.synchronize()
-    worst = 0.0
+    worst_rel, flips, total = 0.0, 0, 0
     for e, count in enumerate(problem.counts):
         if count == 0:
             continue
         got = d[problem.rows(e)].float()
         assert bool(torch.isfinite(got).all()), f"expert {e}: unwritten or non-finite outputs"
-        err = rel_l2(got, problem.reference(e))
-        worst = max(worst, err)
-        assert err < MAX_REL_L2, f"expert {e} ({count} rows): rel-L2 {err:.3e}"
+        ref = problem.reference(e)
+        err = rel_l2(got, ref)
+        worst_rel = max(worst_rel, err)
+        assert err < MAX_REL_L2_VS_FP32, f"expert {e} ({count} rows): rel-L2 {err:.3e}"
+        bound = ref.abs() * 2.0**-8 + ref.pow(2).mean().sqrt() * 2.0**-10
+        outside = ((got - ref).abs() > bound).sum().item()
+        assert outside == 0, f"expert {e}: {outside} outputs further than one BF16 step from the reference"
+        flips += (got != ref.to(torch.bfloat16).float()).sum().item()
+        total += got.numel()
+    assert flips <= MAX_FLIP_FRACTION * total, f"{flips} of {total} outputs differ from the BF16-rounded reference"
     _check_padding_untouched(problem, d)
-    print(f"{config.name}: worst per-expert rel-L2 {worst:.3e}")
+    print(f"{config.name}: rel-L2 vs fp32 reference <= {worst_rel:.3e}; {flips} of {total} "
+          f"({100 * flips / total:.3f}%) differ from the BF16-rounded reference by one step")
 
 
 def test_gemm_repeated_calls_fewer_ctas() -> None:
