@@ -53,8 +53,10 @@ def test_gemm_bit_exact(config: gemm.GemmConfig) -> None:
 # over many blocks a few 2^-13 of the expert's RMS output in the tails — the floor is 2^-10 RMS.
 # Measured on the H200, 2026-11-29: rel-L2 against the fp32 reference 1.67e-3 on every case (the BF16 rounding
 # itself, ~2^-9 / sqrt(3)); with a floor of 2^-12 RMS, 1 to 5 outputs per 1e6 fell outside (the tails above).
+# Flips: 4.15% to 4.33% of the outputs on the six cases (an fp32 result ~2^-13 off the exact value lands on the
+# other side of a BF16 rounding boundary about that often); a layout or scale bug moves nearly all of them.
 MAX_REL_L2_VS_FP32 = 2e-3
-MAX_FLIP_FRACTION = 0.01
+MAX_FLIP_FRACTION = 0.06
 
 
 @pytest.mark.parametrize("config", catalog.GEMM_RANDOM_CONFIGS, ids=lambda c: c.name)

@@ -51,7 +51,8 @@ MEGAMOE_DEVICE void issue_k_steps(uint64_t desc_a, uint64_t desc_b, float (&d)[W
                    k != kFirst);
 }
 
-// acc[4 j + 0, 1] += d * scale_lo[j], acc[4 j + 2, 3] += d * scale_hi[j]: scale for the row pair per chunk parity.
+// acc[4 j + 0, 1] += d * scale(row r, chunk j), acc[4 j + 2, 3] += d * scale(row r + 8, chunk j), where the
+// scale of an even chunk is `*_even` (L1: gate columns) and of an odd chunk `*_odd` (L1: up columns).
 MEGAMOE_DEVICE void promote(float (&acc)[WGMMA::kNumAccum], const float (&d)[WGMMA::kNumAccum], float row0_even,
                             float row0_odd, float row8_even, float row8_odd) {
     #pragma unroll
@@ -66,8 +67,13 @@ MEGAMOE_DEVICE void promote(float (&acc)[WGMMA::kNumAccum], const float (&d)[WGM
 }
 
 // Accumulate one tile into `acc` (which the caller zeroes): all K blocks, promoted per block.
-// NOTES: each warp releases the stage right after its wgmma.wait_group 0 (its reads of the stage are
-// complete) and after reading the stage's SFA into registers; the empty barrier counts every math warp.
+// NOTES: L2 mode computes each 128-K block as its two per-64 SF halves into two partials, committed as two
+// WGMMA groups; the first half is promoted while the tensor cores still run the second (wait_group 1). The same
+// split in L1 mode (both halves with the block's scale) measured slower on the H200 (943 vs 991 TFLOP/s at
+// 32 x 1536 x 4096 x 4096: twice the promotion FMAs), so L1 keeps one group per block (notes/gemm.md).
+// Each warp releases the stage after its wait_group 0 (its reads of the stage are complete) and after reading
+// the stage's SFA into registers; the empty barrier counts every math warp. No branch may sit between the two
+// waits: a divergent path while WGMMA is in flight makes ptxas serialize the pipeline (C7518).
 template <typename T>
 MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
                                  const GemmSmem<T>& smem, const WeightScales<T>& weight_scales,
@@ -75,52 +81,53 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, Pipeli
                                  const DeviceEnv& env) {
     const Fragment frag = Fragment::of(math_wg_idx, thread_in_wg);
     const uint32_t lane = thread_in_wg % 32;
-    // BLOCK_M = 32: warps 2, 3 of the warpgroup hold WGMMA rows 32..63, which are discarded (warp-uniform)
-    const bool has_rows = frag.row - frag.row % 16 < T::BLOCK_M;
     const uint32_t a_offset = math_wg_idx * T::WGMMA_M * T::BLOCK_K;
-    float d[WGMMA::kNumAccum];
+    // BLOCK_M = 32: warps 2, 3 hold WGMMA rows 32..63, which are discarded; `% BLOCK_M` keeps their SF reads
+    // inside the stage without a branch
+    const uint32_t sf_row0 = frag.row % T::BLOCK_M, sf_row8 = (frag.row + 8) % T::BLOCK_M;
+    constexpr uint32_t kHiOffset = T::kScaleMode == ScaleMode::kL2Per64 ? T::BLOCK_M : 0;
+    float d_lo[WGMMA::kNumAccum];
 
     for (uint32_t k_block_idx = 0; k_block_idx < T::kNumKBlocks; ++ k_block_idx) {
         // Weight SFs first: their global-load latency hides behind the barrier wait and the WGMMAs
-        const float sfb0 = __ldg(weight_scales.first + k_block_idx);
-        const float sfb1 = T::kScaleMode == ScaleMode::kL1GateUp ? __ldg(weight_scales.second + k_block_idx) : sfb0;
+        const float sfb_even = __ldg(weight_scales.first + k_block_idx);
+        const float sfb_odd =
+            T::kScaleMode == ScaleMode::kL1GateUp ? __ldg(weight_scales.second + k_block_idx) : sfb_even;
 
         pipeline.consumer_wait(env, state);
         const float* sfa = smem.sfa(state.stage);
-        const float sfa0 = has_rows ? sfa[frag.row] : 0.0f;
-        const float sfa8 = has_rows ? sfa[frag.row + 8] : 0.0f;
+        const float sfa0_lo = sfa[sf_row0], sfa8_lo = sfa[sf_row8];
+        const float sfa0_hi = sfa[kHiOffset + sf_row0], sfa8_hi = sfa[kHiOffset + sf_row8];
 
         const uint64_t desc_a = ptx::make_smem_desc_k_major_sw128(smem.a(state.stage) + a_offset);
         const uint64_t desc_b = ptx::make_smem_desc_k_major_sw128(smem.b(state.stage));
         if constexpr (T::kScaleMode == ScaleMode::kL1GateUp) {
-            ptx::fence_operands(d);
+            // One group over the whole block, one promotion
+            ptx::fence_operands(d_lo);
             ptx::wgmma_fence();
-            issue_k_steps<T, 0, T::kNumKSteps>(desc_a, desc_b, d);
+            issue_k_steps<T, 0, T::kNumKSteps>(desc_a, desc_b, d_lo);
             ptx::wgmma_commit_group();
             ptx::wgmma_wait_group<0>();
-            ptx::fence_operands(d);
+            ptx::fence_operands(d_lo);
             pipeline.consumer_release(state, lane);
-            if (has_rows)
-                promote(acc, d, sfa0 * sfb0, sfa0 * sfb1, sfa8 * sfb0, sfa8 * sfb1);
+            promote(acc, d_lo, sfa0_lo * sfb_even, sfa0_lo * sfb_odd, sfa8_lo * sfb_even, sfa8_lo * sfb_odd);
         } else {
-            // Two K = 64 batches: the second half's SFs sit BLOCK_M floats after the first half's
-            const float sfa0_hi = has_rows ? sfa[T::BLOCK_M + frag.row] : 0.0f;
-            const float sfa8_hi = has_rows ? sfa[T::BLOCK_M + frag.row + 8] : 0.0f;
+            // Two groups, one per 64-K SF half; the first half is promoted while the second half runs
             float d_hi[WGMMA::kNumAccum];
-            ptx::fence_operands(d);
+            ptx::fence_operands(d_lo);
             ptx::fence_operands(d_hi);
             ptx::wgmma_fence();
-            issue_k_steps<T, 0, T::kNumKSteps / 2>(desc_a, desc_b, d);
+            issue_k_steps<T, 0, T::kNumKSteps / 2>(desc_a, desc_b, d_lo);
+            ptx::wgmma_commit_group();
             issue_k_steps<T, T::kNumKSteps / 2, T::kNumKSteps>(desc_a, desc_b, d_hi);
             ptx::wgmma_commit_group();
+            ptx::wgmma_wait_group<1>();
+            ptx::fence_operands(d_lo);
+            promote(acc, d_lo, sfa0_lo * sfb_even, sfa0_lo * sfb_odd, sfa8_lo * sfb_even, sfa8_lo * sfb_odd);
             ptx::wgmma_wait_group<0>();
-            ptx::fence_operands(d);
             ptx::fence_operands(d_hi);
             pipeline.consumer_release(state, lane);
-            if (has_rows) {
-                promote(acc, d, sfa0 * sfb0, sfa0 * sfb0, sfa8 * sfb0, sfa8 * sfb0);
-                promote(acc, d_hi, sfa0_hi * sfb0, sfa0_hi * sfb0, sfa8_hi * sfb0, sfa8_hi * sfb0);
-            }
+            promote(acc, d_hi, sfa0_hi * sfb_even, sfa0_hi * sfb_odd, sfa8_hi * sfb_even, sfa8_hi * sfb_odd);
         }
         state.advance();
     }
