@@ -44,19 +44,19 @@ def test_gemm_bit_exact(config: gemm.GemmConfig) -> None:
         _check_padding_untouched(problem, d)
 
 
-# Tolerance (random inputs, BF16 outputs of fp32 accumulators). The kernel accumulates each 128-K block in the
-# tensor cores' reduced precision (~2^-14 relative), the reference exactly (float64 dots); both round to BF16.
-# So the kernel must equal the BF16-rounded reference except where the fp32 value sits near a BF16 rounding
-# boundary (a flip of one BF16 step), and every element must lie within one BF16 step (2^-8 relative) of the
-# fp32 reference, plus an absolute floor for outputs that nearly cancel: the tensor cores' accumulation error is
-# relative to the block partials, not to the (possibly cancelled) output, ~2^-14 of the partials per block and
-# over many blocks a few 2^-13 of the expert's RMS output in the tails — the floor is 2^-10 RMS.
-# Measured on the H200, 2026-11-29: rel-L2 against the fp32 reference 1.67e-3 on every case (the BF16 rounding
-# itself, ~2^-9 / sqrt(3)); with a floor of 2^-12 RMS, 1 to 5 outputs per 1e6 fell outside (the tails above).
-# Flips: 4.15% to 4.33% of the outputs on the six cases (an fp32 result ~2^-13 off the exact value lands on the
-# other side of a BF16 rounding boundary about that often); a layout or scale bug moves nearly all of them.
+# Tolerance (random inputs, BF16 outputs of fp32 accumulators). The kernel accumulates each WGMMA group (a
+# 128-K block in L1 mode, a 64-K half in L2 mode) in the tensor cores' reduced precision (DESIGN section 4:
+# ~14 bits), the reference exactly (float64 dots); both round to BF16. So every output lies within one BF16 step
+# (2^-8 relative) of the fp32 reference plus the accumulation error, which is relative to the block partials,
+# not to the (possibly cancelled) output: it is bounded by a floor of EXCESS_FLOOR x the expert's RMS output.
+# Measured on the H200, 2026-11-29, six cases, ~4e7 outputs: rel-L2 vs the fp32 reference 1.66e-3..1.71e-3
+# (the BF16 rounding itself, ~2^-9 / sqrt(3)); largest excess over one BF16 step 3.6e-4..6.6e-4 RMS (L2 mode)
+# and 8.1e-4..1.05e-3 RMS (L1 mode, one 128-K group per block) against the floor of 1.95e-3; outputs differing
+# from the BF16-rounded reference by one step: 4.2-4.3% (L2 mode), 6.3-6.7% (L1 mode). A layout or scale bug
+# moves nearly all outputs.
 MAX_REL_L2_VS_FP32 = 2e-3
-MAX_FLIP_FRACTION = 0.06
+EXCESS_FLOOR = 2.0**-9
+MAX_FLIP_FRACTION = 0.10
 
 
 @pytest.mark.parametrize("config", catalog.GEMM_RANDOM_CONFIGS, ids=lambda c: c.name)
@@ -65,7 +65,7 @@ def test_gemm_random(config: gemm.GemmConfig) -> None:
     d = _poisoned_output(problem)
     gemm.run_problem(problem, d)
     torch.cuda.synchronize()
-    worst_rel, flips, total = 0.0, 0, 0
+    worst_rel, worst_excess, flips, total = 0.0, 0.0, 0, 0
     for e, count in enumerate(problem.counts):
         if count == 0:
             continue
@@ -75,14 +75,15 @@ def test_gemm_random(config: gemm.GemmConfig) -> None:
         err = rel_l2(got, ref)
         worst_rel = max(worst_rel, err)
         assert err < MAX_REL_L2_VS_FP32, f"expert {e} ({count} rows): rel-L2 {err:.3e}"
-        bound = ref.abs() * 2.0**-8 + ref.pow(2).mean().sqrt() * 2.0**-10
-        outside = ((got - ref).abs() > bound).sum().item()
-        assert outside == 0, f"expert {e}: {outside} outputs further than one BF16 step from the reference"
+        excess = ((got - ref).abs() - ref.abs() * 2.0**-8).max().item() / ref.pow(2).mean().sqrt().item()
+        worst_excess = max(worst_excess, excess)
+        assert excess <= EXCESS_FLOOR, f"expert {e}: an output is {excess:.2e} RMS beyond one BF16 step"
         flips += (got != ref.to(torch.bfloat16).float()).sum().item()
         total += got.numel()
     assert flips <= MAX_FLIP_FRACTION * total, f"{flips} of {total} outputs differ from the BF16-rounded reference"
     _check_padding_untouched(problem, d)
-    print(f"{config.name}: rel-L2 vs fp32 reference <= {worst_rel:.3e}; {flips} of {total} "
+    print(f"{config.name}: rel-L2 vs fp32 reference <= {worst_rel:.3e}; excess over one BF16 step <= "
+          f"{worst_excess:.2e} RMS; {flips} of {total} "
           f"({100 * flips / total:.3f}%) differ from the BF16-rounded reference by one step")
 
 
