@@ -1,0 +1,17 @@
+"""One launch of a GEMM benchmark case, for `ncu` (usage: ncu ... python3 scripts/profile_gemm.py [case index])."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from megamoe.bench import GEMM_CASES
+from megamoe.kernels import gemm
+
+case = GEMM_CASES[int(sys.argv[1]) if len(sys.argv) > 1 else 1]
+config = gemm.GemmConfig(case.block_m, case.mode, case.n, case.k, case.num_groups)
+problem = gemm.make_problem(config, [case.rows] * case.num_groups, small_int=False)
+d = torch.empty(problem.num_pool_rows, case.n, dtype=torch.bfloat16, device="cuda")
+for _ in range(3):
+    gemm.run_problem(problem, d)
+torch.cuda.synchronize()
