@@ -178,5 +178,18 @@ class Kernel:
             check(cu.cuLaunchKernelEx(config, function, ctypes.addressof(params), 0))
 
 
+_loaded_kernels: dict[tuple[str, int, bool], Kernel] = {}
+
+
+def load(compiled: CompileResult, num_threads: int, cooperative: bool = True) -> Kernel:
+    """The Kernel of a compiled cubin, one per (cubin, launch shape) for the process: its module is loaded once
+    per device, on first launch."""
+    key = (compiled.key, num_threads, cooperative)
+    kernel = _loaded_kernels.get(key)
+    if kernel is None:
+        kernel = _loaded_kernels[key] = Kernel(compiled, num_threads, cooperative)
+    return kernel
+
+
 def num_sms(device: torch.device | None = None) -> int:
     return torch.cuda.get_device_properties(device or torch.cuda.current_device()).multi_processor_count

@@ -115,15 +115,13 @@ def run(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor
     if num_pool_rows % 4:
         raise ValueError(f"the pool's row count must be a multiple of 4 (MN-major SF rows of 16 B), got {num_pool_rows}")
     compiled = compile_gemm(config)
-    kernel = _kernels.setdefault(config, runtime.Kernel(compiled, NUM_THREADS, cooperative=True))
+    kernel = runtime.load(compiled, NUM_THREADS)
     maps = _tensor_maps(config, a, a_sf, b)
     env = timeout_records().device_env(rank=0)
     kernel.launch(num_blocks or runtime.num_sms(a.device),
                   [*maps, runtime.ptr(b_sf), runtime.ptr(num_tokens_per_expert), runtime.ptr(d), env],
                   config.smem_bytes, device=a.device)
 
-
-_kernels: dict[GemmConfig, object] = {}
 
 
 def _tensor_maps(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor) -> list:

@@ -61,7 +61,7 @@ def run(x: torch.Tensor, out: torch.Tensor, config: SmokeConfig = SmokeConfig(),
         raise ValueError(f"smoke: x and out must be fp32 2D of one shape, got {x.dtype} {tuple(x.shape)} and "
                          f"{out.dtype} {tuple(out.shape)}")
     compiled = compile_smoke(config)
-    kernel = runtime.Kernel(compiled, NUM_THREADS, cooperative=True)
+    kernel = runtime.load(compiled, NUM_THREADS)
     swizzle = 128 if config.swizzle_128b else 0
     map_in = runtime.TensorMap(x, config.block_rows, config.block_cols, swizzle)
     map_out = runtime.TensorMap(out, config.block_rows, config.block_cols, swizzle)
