@@ -1,0 +1,34 @@
+// Workspace cleanup: zero this call's counters so the next call starts clean. Grid sync and NVLink barrier words
+// are never zeroed (they reset themselves); src_token_topk_idx and pool_src_metadata are rewritten for every
+// received row and read only where valid.
+// Offsets come from the generated layout header (namespace megamoe::layout), included before this header.
+#pragma once
+
+#include "common/sym_buffer.cuh"
+
+namespace megamoe::combine {
+
+MEGAMOE_DEVICE void zero_words(uint32_t* words, uint32_t num_words, uint32_t thread_rank, uint32_t num_threads) {
+    for (uint32_t i = thread_rank; i < num_words; i += num_threads)
+        words[i] = 0u;
+}
+
+// Every thread of every CTA calls this.
+// NOTES: when. After a grid sync that follows the last local reader of every counter (the pull reads
+// expert_recv_count, the consumers of pool blocks read l1_arrival_count / l1_done_count), and before the
+// NVLink barrier that lets the peers past this call: a peer's next red.add to expert_recv_count comes after
+// that barrier's acquire, which by the barrier's release chain (its prologue arrives with .sys) is after these
+// zero stores. expert_send_count and the pool-block counters are local: kernel order covers the next call.
+template <uint32_t kNumThreads>
+MEGAMOE_DEVICE void clean_workspace(const SymBuffer& sym, uint32_t cta_idx, uint32_t num_ctas, uint32_t thread_idx) {
+    const uint32_t thread_rank = cta_idx * kNumThreads + thread_idx, num_threads = num_ctas * kNumThreads;
+    zero_words(sym.local<uint32_t>(layout::kExpertSendCountOffset), layout::kNumExperts, thread_rank, num_threads);
+    zero_words(sym.local<uint32_t>(layout::kExpertRecvCountOffset), layout::kNumLocalExperts * layout::kNumRanks,
+               thread_rank, num_threads);
+    zero_words(sym.local<uint32_t>(layout::kL1ArrivalCountOffset), layout::kNumMaxPoolBlocks, thread_rank,
+               num_threads);
+    zero_words(sym.local<uint32_t>(layout::kL1DoneCountOffset), layout::kNumMaxPoolBlocks, thread_rank,
+               num_threads);
+}
+
+}  // namespace megamoe::combine

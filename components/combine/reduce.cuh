@@ -1,0 +1,138 @@
+// Combine, second step (after the barrier that follows every rank's scatter): y[t] = bf16(sum over the valid
+// top-k slots j of token t, in slot order, of fp32(combine[j][t])), a token without a valid slot gets zeros.
+// One warp per token, chunk by chunk, with a 2-stage ring of 1D bulk loads (one load = one slot's chunk) and
+// fp32 accumulation in registers; the result goes from registers straight to y.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "common/fence.cuh"
+#include "common/mbarrier.cuh"
+#include "common/tma.cuh"
+#include "scatter.cuh"
+
+namespace megamoe::combine {
+
+// Chunk = gcd(2 H, 1024) B (heuristics.smem_plan): <= 512 BF16, 4 to 16 per lane.
+constexpr uint32_t kRowBytes = layout::kHidden * sizeof(__nv_bfloat16);
+constexpr uint32_t kChunkBytes = kRowBytes % 1024 == 0 ? 1024u : (kRowBytes % 512 == 0 ? 512u : 256u);
+constexpr uint32_t kNumChunks = kRowBytes / kChunkBytes;
+constexpr uint32_t kNumStages = 2;
+constexpr uint32_t kUnitsPerLane = kChunkBytes / sizeof(uint2) / 32;  // uint2 = 4 BF16
+constexpr uint32_t kElemsPerLane = kUnitsPerLane * 4;
+static_assert(kRowBytes % kChunkBytes == 0 and kChunkBytes % (32 * sizeof(uint2)) == 0, "whole uint2 per lane");
+static_assert(layout::kNumTopk <= 32, "one lane per top-k slot");
+
+// Shared memory per reducing warp: kNumStages chunks (16 B aligned), and kNumStages mbarriers elsewhere.
+constexpr uint32_t kSmemBytesPerWarp = kNumStages * kChunkBytes;
+
+// Per-warp ring position; it runs on across tokens (loads issued == consumed between tokens).
+struct ReduceRing {
+    uint8_t* chunks;     // kNumStages x kChunkBytes
+    uint64_t* barriers;  // kNumStages mbarriers, initialized with arrive count 1
+    uint32_t num_loads = 0;
+};
+
+MEGAMOE_DEVICE void store_y_units(uint8_t* y_chunk, const float* acc, uint32_t lane) {
+#pragma unroll
+    for (uint32_t u = 0; u < kUnitsPerLane; ++ u) {
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[u * 4 + 0], acc[u * 4 + 1]);
+        const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[u * 4 + 2], acc[u * 4 + 3]);
+        uint2 packed;
+        packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+        packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+        reinterpret_cast<uint2*>(y_chunk)[u * 32 + lane] = packed;
+    }
+}
+
+MEGAMOE_DEVICE void accumulate_units(float* acc, const uint8_t* chunk, uint32_t lane) {
+#pragma unroll
+    for (uint32_t u = 0; u < kUnitsPerLane; ++ u) {
+        const uint2 packed = reinterpret_cast<const uint2*>(chunk)[u * 32 + lane];
+        // BF16 -> FP32 is exact: the BF16 bits are the top half of the float
+        acc[u * 4 + 0] += __uint_as_float(packed.x << 16);
+        acc[u * 4 + 1] += __uint_as_float(packed.x & 0xffff0000u);
+        acc[u * 4 + 2] += __uint_as_float(packed.y << 16);
+        acc[u * 4 + 3] += __uint_as_float(packed.y & 0xffff0000u);
+    }
+}
+
+// Called by every lane of a warp; global warp `warp_rank` of `num_warps` reduces tokens warp_rank,
+// warp_rank + num_warps, ... of this rank's `num_tokens`. y: [num_tokens, H] BF16, rows 16 B aligned.
+MEGAMOE_DEVICE void reduce_tokens(const DeviceEnv& env, const SymBuffer& sym, uint32_t num_tokens,
+                                  __nv_bfloat16* y, ReduceRing& ring, uint32_t warp_rank, uint32_t num_warps) {
+    const uint32_t lane = lane_idx();
+    const int64_t* topk_idx = sym.local<const int64_t>(layout::kTopkIdxOffset);
+    const uint8_t* combine = sym.local<const uint8_t>(0);
+
+    // NOTES: the peers' combine rows are generic-proxy stores, published by the barrier this warp is past;
+    // the issuing lane fences to the async proxy after that acquire and before its first bulk load (DESIGN 5b).
+    ptx::fence_proxy_async_global();
+
+    for (uint32_t token = warp_rank; token < num_tokens; token += num_warps) {
+        const bool valid =
+            lane < layout::kNumTopk and topk_idx[static_cast<uint64_t>(token) * layout::kNumTopk + lane] >= 0;
+        const uint32_t slot_mask = __ballot_sync(0xffffffffu, valid);
+        uint8_t* y_row = reinterpret_cast<uint8_t*>(y) + static_cast<uint64_t>(token) * kRowBytes;
+        float acc[kElemsPerLane];
+#pragma unroll
+        for (uint32_t i = 0; i < kElemsPerLane; ++ i)
+            acc[i] = 0.0f;
+
+        // No valid slot: zeros
+        if (slot_mask == 0) {
+            for (uint32_t chunk = 0; chunk < kNumChunks; ++ chunk)
+                store_y_units(y_row + chunk * kChunkBytes, acc, lane);
+            continue;
+        }
+
+        // Loads in (chunk, slot) order: slots ascending within a chunk
+        const uint32_t num_slots = __popc(slot_mask);
+        const uint32_t num_token_loads = kNumChunks * num_slots;
+        uint32_t issue_chunk = 0, issue_slots = slot_mask, num_issued = ring.num_loads;
+        auto issue_next = [&]() {
+            const uint32_t slot = __ffs(issue_slots) - 1;
+            if (lane == 0) {
+                const uint32_t stage = num_issued % kNumStages;
+                ptx::mbarrier_arrive_expect_tx(ring.barriers + stage, kChunkBytes);
+                ptx::bulk_load_1d(ring.chunks + stage * kChunkBytes,
+                                  combine + combine_row_offset(slot, token) + issue_chunk * kChunkBytes, kChunkBytes,
+                                  ring.barriers + stage);
+            }
+            ++ num_issued;
+            issue_slots &= issue_slots - 1;
+            if (issue_slots == 0) {
+                issue_slots = slot_mask;
+                ++ issue_chunk;
+            }
+        };
+
+        issue_next();
+        uint32_t chunk = 0, slots_left = num_slots;
+        for (uint32_t i = 0; i < num_token_loads; ++ i) {
+            // Prefetch the next load into the other stage (its previous chunk was consumed, then __syncwarp)
+            if (i + 1 < num_token_loads)
+                issue_next();
+
+            // Wait for this load, accumulate it in fp32 (slot order)
+            const uint32_t stage = ring.num_loads % kNumStages;
+            ptx::mbarrier_wait(env, "combine_load", ring.barriers + stage, (ring.num_loads / kNumStages) & 1u);
+            accumulate_units(acc, ring.chunks + stage * kChunkBytes, lane);
+            ++ ring.num_loads;
+            // Every lane has read the stage before lane 0 issues a load into it again
+            __syncwarp();
+
+            // The chunk's last slot: store the BF16 sum
+            if (-- slots_left == 0) {
+                store_y_units(y_row + chunk * kChunkBytes, acc, lane);
+#pragma unroll
+                for (uint32_t k = 0; k < kElemsPerLane; ++ k)
+                    acc[k] = 0.0f;
+                slots_left = num_slots;
+                ++ chunk;
+            }
+        }
+    }
+}
+
+}  // namespace megamoe::combine

@@ -1,0 +1,89 @@
+// Scoped memory operations on global memory: ld.acquire / ld.relaxed, st.release / st.relaxed, red and atom
+// (add), each with a .gpu (this GPU) or .sys (every GPU of the NVLink domain and the host) scope.
+// Values are u32 bit patterns: a signed counter adds 0xffffffff for -1 (two's complement addition).
+#pragma once
+
+#include "utils.cuh"
+
+namespace megamoe::ptx {
+
+// NOTES: the scope names the set of threads the ordering is promised to. Peers on other GPUs read and write
+// through the NVLink mapping, so any release/acquire pair that publishes data to a peer (or observes a peer's)
+// must be .sys on both sides; pairs between CTAs of one GPU need only .gpu (DESIGN section 5b).
+enum class Scope { kGpu, kSys };
+
+template <Scope kScope>
+MEGAMOE_DEVICE uint32_t ld_acquire(const uint32_t* ptr) {
+    uint32_t value;
+    if constexpr (kScope == Scope::kGpu)
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    else
+        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+template <Scope kScope>
+MEGAMOE_DEVICE uint32_t ld_relaxed(const uint32_t* ptr) {
+    uint32_t value;
+    if constexpr (kScope == Scope::kGpu)
+        asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    else
+        asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+template <Scope kScope>
+MEGAMOE_DEVICE void st_release(uint32_t* ptr, uint32_t value) {
+    if constexpr (kScope == Scope::kGpu)
+        asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+    else
+        asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+template <Scope kScope>
+MEGAMOE_DEVICE void st_relaxed(uint32_t* ptr, uint32_t value) {
+    if constexpr (kScope == Scope::kGpu)
+        asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+    else
+        asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+// red: an atomic add without a result (fire and forget).
+template <Scope kScope>
+MEGAMOE_DEVICE void red_add_release(uint32_t* ptr, uint32_t value) {
+    if constexpr (kScope == Scope::kGpu)
+        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+    else
+        asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+template <Scope kScope>
+MEGAMOE_DEVICE void red_add_relaxed(uint32_t* ptr, uint32_t value) {
+    if constexpr (kScope == Scope::kGpu)
+        asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+    else
+        asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+// atom: an atomic add returning the previous value.
+template <Scope kScope>
+MEGAMOE_DEVICE uint32_t atom_add_release(uint32_t* ptr, uint32_t value) {
+    uint32_t old;
+    if constexpr (kScope == Scope::kGpu)
+        asm volatile("atom.release.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
+    else
+        asm volatile("atom.release.sys.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
+    return old;
+}
+
+template <Scope kScope>
+MEGAMOE_DEVICE uint32_t atom_add_relaxed(uint32_t* ptr, uint32_t value) {
+    uint32_t old;
+    if constexpr (kScope == Scope::kGpu)
+        asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
+    else
+        asm volatile("atom.relaxed.sys.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
+    return old;
+}
+
+}  // namespace megamoe::ptx

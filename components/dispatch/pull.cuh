@@ -1,0 +1,105 @@
+// Dispatch, second step (after the dispatch barrier): each warp pulls received rows from their source ranks into
+// the local pool: the FP8 row, its SF transposed into the MN-major SF pool, its top-k weight, and the source
+// metadata; then it releases the row's pool block (l1_arrival_count += 1).
+#pragma once
+
+#include "common/atomics.cuh"
+#include "common/fence.cuh"
+#include "common/mbarrier.cuh"
+#include "common/tma.cuh"
+#include "recv_table.cuh"
+
+namespace megamoe::dispatch {
+
+static_assert(layout::kHidden % 16 == 0, "1D bulk copies: size a multiple of 16 B");
+static_assert(layout::kHidden < (1u << 20), "one row per mbarrier transaction (tx-count limit 2^20 - 1)");
+static_assert(layout::kXOffset % 16 == 0 and layout::kL1ActsOffset % 16 == 0, "rows 16 B aligned");
+
+// Shared memory per pulling warp: one row (kBulkPull only).
+constexpr uint32_t kPullRowBytes = align_up(layout::kHidden, 128u);
+
+// Publish a pulled row: everything written for it is visible before its block's arrival count moves.
+template <bool kBulkPull>
+MEGAMOE_DEVICE void release_row(const SymBuffer& sym, uint32_t pool_block, uint32_t lane) {
+    // NOTES: `bulk_wait_group 0` (not `.read`) completes the row's bulk store: its writes are performed.
+    // fence.proxy.async.global in every lane orders the lane's generic stores (SF, weight, metadata, or the row
+    // itself without kBulkPull) with async-proxy accesses (the GEMM's TMA loads of the pool, DESIGN 5b);
+    // __syncwarp orders all lanes' writes before lane 0's red.release.gpu, which by cumulativity publishes
+    // them to any thread on this GPU that acquires the count.
+    if (kBulkPull and lane == 0)
+        ptx::bulk_wait_group<0>();
+    ptx::fence_proxy_async_global();
+    __syncwarp();
+    if (lane == 0)
+        ptx::red_add_release<ptx::Scope::kGpu>(l1_arrival_count(sym) + pool_block, 1u);
+}
+
+// Called by every lane of a warp, after the dispatch barrier and build_recv_table. Global warp `warp_rank` of
+// `num_warps` takes received rows warp_rank, warp_rank + num_warps, ... kBulkPull: the row travels
+// peer x -> shared memory (1D cp.async.bulk, completes on `pull_barrier`, whose phase `pull_phase` tracks) ->
+// pool (1D bulk store); otherwise 16 B loads and stores by the lanes. The release of each row is deferred until
+// the next row's load is in flight, so that the store's completion overlaps the next pull.
+template <uint32_t kBlockM, bool kBulkPull>
+MEGAMOE_DEVICE void pull_rows(const DeviceEnv& env, const SymBuffer& sym, const RecvTable& table,
+                              uint8_t* smem_row, uint64_t* pull_barrier, uint32_t& pull_phase, uint32_t warp_rank,
+                              uint32_t num_warps) {
+    constexpr uint32_t kNumTopk = layout::kNumTopk;
+    const uint32_t lane = lane_idx();
+    const uint32_t num_rows = table.num_rows();
+
+    bool has_pending = false;
+    uint32_t pending_block = 0;
+    for (uint32_t g = warp_rank; g < num_rows; g += num_warps) {
+        const RowLocation loc = locate(table, g);
+        // NOTES: written by the source rank (plain peer stores) before its dispatch-barrier release; this
+        // thread is past the barrier's acquire chain, so a plain load sees it.
+        const uint32_t token_topk =
+            *sym.local<const uint32_t>(src_token_topk_idx_offset(loc.local_expert, loc.src_rank, loc.src_slot));
+        const uint32_t token = token_topk / kNumTopk, slot = token_topk % kNumTopk;
+        const uint8_t* src_row = sym.peer<const uint8_t>(x_row_offset(token), loc.src_rank);
+        uint8_t* dst_row = pool_row(sym, loc.pool_row);
+
+        // Start the row (input rows were written before the source rank's launch: kernel order, any proxy)
+        if constexpr (kBulkPull) {
+            if (lane == 0) {
+                ptx::mbarrier_arrive_expect_tx(pull_barrier, layout::kHidden);
+                ptx::bulk_load_1d(smem_row, src_row, layout::kHidden, pull_barrier);
+            }
+        } else {
+            for (uint32_t c = lane; c < layout::kHidden / 16; c += 32)
+                reinterpret_cast<uint4*>(dst_row)[c] = __ldcg(reinterpret_cast<const uint4*>(src_row) + c);
+        }
+
+        // SF (transposed into the MN-major pool), top-k weight, source metadata
+        for (uint32_t k = lane; k < kNumSfPerRow; k += 32)
+            *pool_sf(sym, k, loc.pool_row) = __ldcg(sym.peer<const float>(x_sf_offset(token, k), loc.src_rank));
+        if (lane == 0) {
+            *pool_topk_weight(sym, loc.pool_row) =
+                __ldcg(sym.peer<const float>(topk_weight_offset(token, slot), loc.src_rank));
+            *pool_src_metadata(sym, loc.pool_row) = make_uint4(loc.src_rank, token, slot, 0u);
+        }
+
+        // Release the previous row while this one is in flight
+        if (has_pending)
+            release_row<kBulkPull>(sym, pending_block, lane);
+
+        // Land the row in the pool
+        if constexpr (kBulkPull) {
+            if (lane == 0) {
+                ptx::mbarrier_wait(env, "dispatch_pull", pull_barrier, pull_phase);
+                ptx::bulk_store_1d(dst_row, smem_row, layout::kHidden);
+                ptx::bulk_commit_group();
+                // The next row may overwrite the shared-memory row once the store has read it
+                ptx::bulk_wait_group_read<0>();
+            }
+            pull_phase ^= 1u;
+            __syncwarp();
+        }
+        has_pending = true;
+        pending_block = loc.pool_row / kBlockM;
+    }
+    if (has_pending)
+        release_row<kBulkPull>(sym, pending_block, lane);
+}
+
+}  // namespace megamoe::dispatch

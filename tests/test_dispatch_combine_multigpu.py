@@ -1,0 +1,264 @@
+"""multigpu tier: dispatch and combine across 2 ranks, one process per GPU (torch.multiprocessing spawn,
+torch.distributed NCCL on localhost, torch symmetric memory), through the unit-test kernel
+(megamoe.kernels.dispatch_combine).
+
+Every rank generates every rank's inputs from one shared seed, so it knows exactly what each of its local
+experts must receive: pool rows, SF, weights, metadata, counts and y are checked bit for bit on every rank.
+Cases: each routing (uniform, all tokens to one expert, all tokens to the other rank, masked slots) x each
+BLOCK_M, T = T_max on both ranks, T = 0 on one rank only; the ld/st pull path; 200 back-to-back calls; and a rank
+that never launches, whose peer must report a timeout diagnostic and fail instead of hanging.
+"""
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import random
+import socket
+import time
+import traceback
+import warnings
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.multigpu
+
+NUM_RANKS = 2
+# (ranks, experts, T_max, topk, hidden, intermediate); compiled by the compile tier of test_dispatch_combine.py
+SHAPE = (NUM_RANKS, 8, 256, 4, 512, 128)
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+TIMEOUT_S = 2.0  # device barrier timeout of the timeout scenario
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scenarios: run in every rank's process, return a list of error strings (empty: pass)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _buffer(group: Any):
+    import megamoe
+
+    _, experts, t_max, topk, hidden, inter = SHAPE
+    return megamoe.get_symm_buffer(group, experts, t_max, topk, hidden, inter)
+
+
+def _one_call(buf, inputs: list, block_m: int, bulk: bool = True) -> list[str]:
+    from megamoe.kernels import dispatch_combine as dc
+
+    num_tokens = dc.load_inputs(buf, inputs[buf.rank])
+    y = torch.empty(num_tokens, buf.hidden, dtype=torch.bfloat16, device=buf.device)
+    stats = torch.zeros(buf.layout.num_local_experts, dtype=torch.int32, device=buf.device)
+    dc.poison(buf, y)
+    dc.run(buf, num_tokens, y, block_m=block_m, recv_stats=stats, bulk_pull=bulk)
+    torch.cuda.synchronize()
+    return dc.call_errors(buf, inputs, y, stats, block_m)
+
+
+def _scenario_exact(group: Any, bulk: bool) -> list[str]:
+    from megamoe.kernels import dispatch_combine as dc
+
+    buf = _buffer(group)
+    t_max = SHAPE[2]
+    errors, num_calls = [], 0
+    token_cases = {"random": None, "max": [t_max, t_max], "zero_on_rank1": [t_max // 2, 0],
+                   "zero_on_rank0": [0, 37]}
+    routings = dc.ROUTINGS if bulk else ("uniform", "other_rank")
+    block_ms = (32, 64, 128) if bulk else (64,)
+    for block_m in block_ms:
+        for routing in routings:
+            for label, tokens in token_cases.items():
+                rng = random.Random(f"{block_m}-{routing}-{label}")  # str seeds are process-independent
+                seed = rng.randrange(1 << 30)
+                counts = tokens or [rng.randint(1, t_max) for _ in range(NUM_RANKS)]
+                inputs = dc.random_inputs(buf.layout, counts, routing, seed=seed)
+                case_errors = _one_call(buf, inputs, block_m, bulk)
+                num_calls += 1
+                errors += [f"bm={block_m} {routing} {label} T={counts}: {e}" for e in case_errors]
+    errors += dc.workspace_errors(buf, num_calls)
+    buf.destroy()
+    return errors
+
+
+def _scenario_back_to_back(group: Any, num_calls: int) -> list[str]:
+    """Calls with changing inputs, token counts, routings and BLOCK_M, no host synchronization in between."""
+    from megamoe.kernels import dispatch_combine as dc
+
+    buf = _buffer(group)
+    rng = random.Random(4321)  # same sequence on every rank
+    calls = []
+    for call in range(num_calls):
+        counts = [rng.choice([0, SHAPE[2], rng.randint(1, SHAPE[2])]) for _ in range(NUM_RANKS)]
+        inputs = dc.random_inputs(buf.layout, counts, dc.ROUTINGS[call % len(dc.ROUTINGS)], seed=call)
+        mine = inputs[buf.rank]
+        staged = [getattr(mine, n).to(buf.device) for n in ("x", "x_sf", "topk_idx", "topk_weights")]
+        calls.append((inputs, staged, rng.choice([32, 64, 128])))
+    stats = torch.zeros(buf.layout.num_local_experts, dtype=torch.int32, device=buf.device)
+    ys = []
+    for inputs, staged, block_m in calls:
+        t = staged[0].shape[0]
+        for name, value in zip(("x", "x_sf", "topk_idx", "topk_weights"), staged):
+            getattr(buf, name)[:t].copy_(value)
+        y = torch.full((t, buf.hidden), float("nan"), dtype=torch.bfloat16, device=buf.device)
+        dc.run(buf, t, y, block_m=block_m, recv_stats=stats, check_inputs=False)
+        ys.append(y)
+    torch.cuda.synchronize()
+
+    errors = []
+    total = [0] * buf.layout.num_local_experts
+    for call, ((inputs, _, _), y) in enumerate(zip(calls, ys)):
+        mine = inputs[buf.rank]
+        expected = dc.expected_y(mine.x, mine.x_sf, mine.topk_idx, mine.topk_weights)
+        differ = int((y.view(torch.int16).cpu() != expected.view(torch.int16)).sum())
+        if differ:
+            errors.append(f"call {call}: {differ} of {y.numel()} y values differ")
+        for e, rows in enumerate(dc.expected_dispatch(inputs, buf.layout, buf.rank)):
+            total[e] += rows.src.shape[0]
+    if stats.cpu().tolist() != total:
+        errors.append(f"cumulative recv stats {stats.cpu().tolist()}, expected {total}")
+    last_inputs, _, last_block_m = calls[-1]
+    expected_rows = dc.expected_dispatch(last_inputs, buf.layout, buf.rank)
+    got = dc.dispatched_rows(buf, [r.src.shape[0] for r in expected_rows], last_block_m)
+    errors += [f"last call: {e}" for e in dc.compare_dispatch(got, expected_rows)]
+    errors += dc.workspace_errors(buf, num_calls)
+    buf.destroy()
+    return errors
+
+
+def _scenario_peer_never_arrives(group: Any, release: Any) -> list[str]:
+    """Rank 1 skips its launch; rank 0 must time out at the dispatch barrier, report and trap."""
+    from megamoe.jit.diagnostics import timeout_records
+    from megamoe.kernels import dispatch_combine as dc
+
+    buf = _buffer(group)
+    inputs = dc.random_inputs(buf.layout, [64, 64], "uniform", seed=9)
+    t = dc.load_inputs(buf, inputs[buf.rank])
+    y = torch.empty(t, buf.hidden, dtype=torch.bfloat16, device=buf.device)
+    torch.cuda.synchronize()
+    if buf.rank == 1:
+        dc.run(buf, t, y, block_m=64, debug_skip_launch=True)
+        release.wait(300)  # keep this rank's memory mapped until rank 0 has reported
+        return []
+    started = time.perf_counter()
+    try:
+        dc.run(buf, t, y, block_m=64, timeout_s=TIMEOUT_S)
+        torch.cuda.synchronize()
+        return ["rank 0: the kernel completed although rank 1 never launched"]
+    except Exception as exc:  # the trap poisons the context: every later CUDA call fails too
+        failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    elapsed = time.perf_counter() - started
+    reports = [str(r) for r in timeout_records().reports()]
+    errors = []
+    if not any("timed out at 'nvl_dispatch'" in r and r.startswith("rank 0 ") for r in reports):
+        errors.append(f"no nvl_dispatch timeout report from rank 0 (failure {failure!r}, reports {reports})")
+    if not TIMEOUT_S <= elapsed < TIMEOUT_S * 10 + 30:
+        errors.append(f"failed after {elapsed:.1f} s with MEGAMOE_TIMEOUT_S={TIMEOUT_S}")
+    return errors
+
+
+_SCENARIOS = {"exact": _scenario_exact, "back_to_back": _scenario_back_to_back,
+              "peer_never_arrives": _scenario_peer_never_arrives}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process harness
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _worker(rank: int, port: int, scenario: str, kwargs: dict, results: Any, release: Any) -> None:
+    os.environ.update(NO_MULTICAST_ENV)  # before any NCCL / symmetric-memory initialization (DESIGN 6)
+    try:
+        import torch.distributed as dist
+
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NUM_RANKS)
+        group = dist.group.WORLD
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch, a no-op since
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+        if scenario == "peer_never_arrives":
+            kwargs = dict(kwargs, release=release)
+        errors = _SCENARIOS[scenario](group, **kwargs)
+    except BaseException:
+        errors = [f"rank {rank} raised:\n{traceback.format_exc()}"]
+    # One report per rank. The scenarios end with buf.destroy() (synchronize + barrier), so no peer still reads
+    # this rank's memory; leave without interpreter teardown (a trapped context cannot shut down cleanly).
+    results.put((rank, errors))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(scenario: str, timeout_s: float = 900.0, **kwargs: Any) -> dict[int, list[str]]:
+    import torch.multiprocessing as mp
+
+    from megamoe.kernels import dispatch_combine as dc
+    from megamoe.layout import SymmLayout
+
+    # Compile once here (no GPU needed) rather than in both ranks at once: the variants the scenarios launch
+    for block_m, bulk in ((32, True), (64, True), (128, True), (64, False)):
+        dc.compile_kernel(dc.DispatchCombineConfig(SymmLayout.create(*SHAPE), block_m, bulk))
+    for name, value in NO_MULTICAST_ENV.items():  # inherited by the spawned children as well
+        os.environ[name] = value
+    ctx = mp.get_context("spawn")
+    results, release = ctx.Queue(), ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(rank, port, scenario, kwargs, results, release), daemon=True)
+             for rank in range(NUM_RANKS)]
+    for proc in procs:
+        proc.start()
+    outcome: dict[int, list[str]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outcome) < NUM_RANKS:
+            try:
+                rank, errors = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue_module.Empty:
+                missing = sorted(set(range(NUM_RANKS)) - outcome.keys())
+                pytest.fail(f"{scenario}: ranks {missing} did not report within {timeout_s:.0f} s (hang?)")
+            outcome[rank] = errors
+            if scenario == "peer_never_arrives" and rank == 0:
+                release.set()
+    finally:
+        release.set()
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+    return outcome
+
+
+def _assert_clean(outcome: dict[int, list[str]]) -> None:
+    failures = {rank: errors for rank, errors in outcome.items() if errors}
+    assert not failures, "\n".join(f"rank {r}: {e}" for r, errs in failures.items() for e in errs[:20])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_two_ranks_exact_every_routing() -> None:
+    _assert_clean(_spawn("exact", bulk=True))
+
+
+def test_two_ranks_ldst_pull() -> None:
+    _assert_clean(_spawn("exact", bulk=False))
+
+
+def test_two_ranks_back_to_back_200_calls() -> None:
+    _assert_clean(_spawn("back_to_back", num_calls=200))
+
+
+def test_peer_that_never_arrives_times_out() -> None:
+    _assert_clean(_spawn("peer_never_arrives", timeout_s=600.0))
