@@ -147,15 +147,6 @@ def _buffer(shape: tuple):
     return megamoe.get_symm_buffer(None, experts, t_max, topk, hidden, inter)
 
 
-def _one_call(buf, inputs: list, block_m: int, bulk: bool = True) -> list[str]:
-    """Load, poison, run, check one call on rank buf.rank (recv_stats zeroed: the counts of this call)."""
-    num_tokens = dc.load_inputs(buf, inputs[buf.rank])
-    y = torch.empty(num_tokens, buf.hidden, dtype=torch.bfloat16, device=buf.device)
-    stats = torch.zeros(buf.layout.num_local_experts, dtype=torch.int32, device=buf.device)
-    dc.poison(buf, y)
-    dc.run(buf, num_tokens, y, block_m=block_m, recv_stats=stats, bulk_pull=bulk)
-    torch.cuda.synchronize()
-    return dc.call_errors(buf, inputs, y, stats, block_m)
 
 
 @pytest.mark.gpu
@@ -169,7 +160,7 @@ def test_single_rank_exact(block_m: int, routing: str, tokens: str) -> None:
     for call in range(num_calls):  # fresh inputs every call, outputs poisoned before each
         t = {"random": rng.randint(1, MAIN[2]), "max": MAIN[2], "zero": 0}[tokens]
         inputs = dc.random_inputs(buf.layout, [t], routing, seed=rng.randrange(1 << 30))
-        errors = _one_call(buf, inputs, block_m)
+        errors = dc.checked_call(buf, inputs, block_m)
         assert errors == [], f"call {call} (T={t}): {errors}"
     assert dc.workspace_errors(buf, num_calls) == []
 
@@ -181,7 +172,7 @@ def test_single_rank_variants(shape: tuple, block_m: int, bulk: bool) -> None:
     buf = _buffer(shape)
     for call, routing in enumerate(["uniform", "masked", "one_expert"]):
         inputs = dc.random_inputs(buf.layout, [shape[2] - call], routing, seed=100 + call)
-        assert _one_call(buf, inputs, block_m, bulk) == [], routing
+        assert dc.checked_call(buf, inputs, block_m, bulk) == [], routing
     assert dc.workspace_errors(buf, 3) == []
 
 
@@ -194,7 +185,7 @@ def test_pool_matches_reference_moe() -> None:
     gen = torch.Generator().manual_seed(7)
     case = reference.random_case(200, 512, 128, 8, 4, mask_prob=0.2, small_int=True, generator=gen)
     inputs = [dc.RankInputs(case.x[0], case.x_sf[0], case.topk_idx[0], case.topk_weights[0])]
-    assert _one_call(buf, inputs, 32) == []
+    assert dc.checked_call(buf, inputs, 32) == []
     result = reference.moe(case.x[0], case.x_sf[0], case.topk_idx[0], case.topk_weights[0], case.l1_weights[0],
                            case.l2_weights[0], return_intermediates=True)
     ref = [dc.ExpertRows(e.src, e.x.view(torch.uint8), e.x_sf, e.topk_weight) for e in result.experts]

@@ -44,16 +44,6 @@ def _buffer(group: Any):
     return megamoe.get_symm_buffer(group, experts, t_max, topk, hidden, inter)
 
 
-def _one_call(buf, inputs: list, block_m: int, bulk: bool = True) -> list[str]:
-    from megamoe.kernels import dispatch_combine as dc
-
-    num_tokens = dc.load_inputs(buf, inputs[buf.rank])
-    y = torch.empty(num_tokens, buf.hidden, dtype=torch.bfloat16, device=buf.device)
-    stats = torch.zeros(buf.layout.num_local_experts, dtype=torch.int32, device=buf.device)
-    dc.poison(buf, y)
-    dc.run(buf, num_tokens, y, block_m=block_m, recv_stats=stats, bulk_pull=bulk)
-    torch.cuda.synchronize()
-    return dc.call_errors(buf, inputs, y, stats, block_m)
 
 
 def _scenario_exact(group: Any, bulk: bool) -> list[str]:
@@ -73,7 +63,7 @@ def _scenario_exact(group: Any, bulk: bool) -> list[str]:
                 seed = rng.randrange(1 << 30)
                 counts = tokens or [rng.randint(1, t_max) for _ in range(NUM_RANKS)]
                 inputs = dc.random_inputs(buf.layout, counts, routing, seed=seed)
-                case_errors = _one_call(buf, inputs, block_m, bulk)
+                case_errors = dc.checked_call(buf, inputs, block_m, bulk)
                 num_calls += 1
                 errors += [f"bm={block_m} {routing} {label} T={counts}: {e}" for e in case_errors]
     errors += dc.workspace_errors(buf, num_calls)

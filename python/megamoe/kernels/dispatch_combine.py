@@ -534,3 +534,15 @@ def bench_round_trip(buf: SymmBuffer, num_tokens: int, *, block_m: int | None = 
     stop.synchronize()
     return {"us_per_call": start.elapsed_time(stop) * 1e3 / num_iters, "block_m": float(config.block_m),
             "host_us_per_call": (time.perf_counter() - wall) * 1e6 / num_iters}
+
+
+def checked_call(buf: SymmBuffer, inputs: list, block_m: int, bulk: bool = True) -> list[str]:
+    """Load this rank's inputs, poison, run one call, check it exactly (recv_stats zeroed: this call's counts).
+    Returns the mismatches found (empty when the call is right)."""
+    num_tokens = load_inputs(buf, inputs[buf.rank])
+    y = torch.empty(num_tokens, buf.hidden, dtype=torch.bfloat16, device=buf.device)
+    stats = torch.zeros(buf.layout.num_local_experts, dtype=torch.int32, device=buf.device)
+    poison(buf, y)
+    run(buf, num_tokens, y, block_m=block_m, recv_stats=stats, bulk_pull=bulk)
+    torch.cuda.synchronize()
+    return call_errors(buf, inputs, y, stats, block_m)
