@@ -20,10 +20,45 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+COMM_ONLY_OPTIONS = ("tokens", "warmup", "iters", "compile_only", "ranks")
+
+
+def bench_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of bench.main / bench.precompile_comm from the `bench` arguments (ValueError when
+    they do not fit the bench)."""
+    from megamoe import bench
+
+    given = [f"--{name.replace('_', '-')}" for name in COMM_ONLY_OPTIONS if getattr(args, name) not in (None, False)]
+    if args.name != "comm":
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to `megamoe bench comm`")
+        return {}
+    tokens = bench.parse_int_list(args.tokens) if args.tokens is not None else list(bench.COMM_TOKENS)
+    if args.compile_only:
+        ranks = bench.parse_int_list(args.ranks) if args.ranks is not None else [2, 4, 8]
+        return {"tokens": tokens, "ranks": ranks}
+    if args.ranks is not None:
+        raise ValueError("--ranks only applies with --compile-only (a run uses every visible GPU: "
+                         "CUDA_VISIBLE_DEVICES picks them)")
+    options = {"tokens": tokens, "warmup": 10 if args.warmup is None else args.warmup,
+               "iters": 50 if args.iters is None else args.iters}
+    bench.check_comm_options(**options)
+    return options
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from megamoe import bench
 
-    bench.main(args.name, args.json)
+    try:
+        options = bench_options(args)
+    except ValueError as exc:
+        raise SystemExit(f"megamoe bench {args.name}: {exc}") from None
+    if args.compile_only:
+        from rich.console import Console
+
+        bench.precompile_comm(console=Console(), **options)
+        return 0
+    bench.main(args.name, args.json, **options)
     return 0
 
 
@@ -50,8 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(fn=_cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks against cuBLAS / NCCL baselines (GPU)")
-    bench.add_argument("name", choices=["gemm"])
+    bench.add_argument("name", choices=["gemm", "comm"])
     bench.add_argument("--json", default=None, help="where to write the results (default megamoe-bench-NAME.json)")
+    comm = bench.add_argument_group("comm", "dispatch + combine round trip vs NCCL; one process per visible GPU")
+    comm.add_argument("--tokens", default=None, help="tokens per rank, comma-separated (default 8,128,4096)")
+    comm.add_argument("--warmup", type=int, default=None, help="warm-up runs per implementation (default 10)")
+    comm.add_argument("--iters", type=int, default=None, help="timed runs per implementation (default 50)")
+    comm.add_argument("--compile-only", action="store_true",
+                      help="compile every unit-kernel variant the bench launches into the JIT cache (no GPU)")
+    comm.add_argument("--ranks", default=None, help="with --compile-only: rank counts (default 2,4,8)")
     bench.set_defaults(fn=_cmd_bench)
 
     jit = sub.add_parser("jit", help="compile every kernel variant into the JIT cache")

@@ -20,7 +20,6 @@ import ctypes
 import functools
 import math
 import string
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -519,21 +518,19 @@ def workspace_errors(buf: SymmBuffer, num_calls: int) -> list[str]:
 def bench_round_trip(buf: SymmBuffer, num_tokens: int, *, block_m: int | None = None, bulk_pull: bool = True,
                      num_warmup: int = 10, num_iters: int = 100) -> dict[str, float]:
     """Time dispatch -> trivial expert -> combine (collective: every rank calls it with the same arguments).
-    Returns {"us_per_call": ..., "block_m": ...}; ready for megamoe.bench to tabulate."""
+    The calls run back to back, each between its own CUDA events, enqueued behind a sleep kernel long enough for
+    the host to enqueue them all (megamoe.bench.time_queued_us): GPU time, not Python launch overhead.
+    Returns {"median_us", "us_per_call" (mean), "min_us", "max_us", "host_us_per_call", "sleep_us",
+    "host_bound" (1.0: the host fell behind anyway), "block_m"}; ready for megamoe.bench to tabulate."""
+    from megamoe.bench import time_queued_us
+
     y = torch.empty(num_tokens, buf.hidden, dtype=torch.bfloat16, device=buf.device)
     config = config_for(buf, block_m, bulk_pull)
-    for _ in range(num_warmup):
-        run(buf, num_tokens, y, block_m=config.block_m, bulk_pull=bulk_pull, check_inputs=False)
-    torch.cuda.synchronize(buf.device)
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    wall = time.perf_counter()
-    start.record()
-    for _ in range(num_iters):
-        run(buf, num_tokens, y, block_m=config.block_m, bulk_pull=bulk_pull, check_inputs=False)
-    stop.record()
-    stop.synchronize()
-    return {"us_per_call": start.elapsed_time(stop) * 1e3 / num_iters, "block_m": float(config.block_m),
-            "host_us_per_call": (time.perf_counter() - wall) * 1e6 / num_iters}
+    with torch.cuda.device(buf.device):
+        stats = time_queued_us(
+            lambda: run(buf, num_tokens, y, block_m=config.block_m, bulk_pull=bulk_pull, check_inputs=False),
+            warmup=num_warmup, iters=num_iters)
+    return dict(stats, us_per_call=stats["mean_us"], block_m=float(config.block_m))
 
 
 def checked_call(buf: SymmBuffer, inputs: list, block_m: int, bulk: bool = True) -> list[str]:
