@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megamoe.jit import compiler
 from megamoe.jit.checks import CheckOptions
-from megamoe.kernels import gemm, smoke
+from megamoe.kernels import expert_ffn, gemm, smoke
 
 # Per-expert row counts of the random-input GEMM tests (DESIGN / issue: 0, non-multiples of BLOCK_M, ...).
 GEMM_RANDOM_COUNTS = [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000]
@@ -29,6 +29,25 @@ GEMM_BENCH_CONFIGS = [
 ]
 SMOKE_CONFIGS = [smoke.SmokeConfig(32, 32, True), smoke.SmokeConfig(32, 64, False)]
 
+# Expert FFN unit kernel (epilogue component, assembler/expert_ffn_kernel.cuh). Exact tier: small-integer inputs,
+# debug build (fp32 L1 accumulators), every BLOCK_M with (no clamp, exact math) and (clamp, fast math), plus the two
+# issue shapes once. Random tier: BLOCK_M x clamp x math x the two shapes H x I.
+FFN_EXACT_COUNTS = [0, 1, 33, 64, 129, 200]
+FFN_RANDOM_COUNTS = [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000]
+FFN_SHAPES = ((4096, 2048), (7168, 3072))
+FFN_EXACT_CONFIGS = [
+    expert_ffn.ExpertFfnConfig(block_m, 2048, 1024, len(FFN_EXACT_COUNTS), clamp, fast, debug_l1_acc=True)
+    for block_m in (32, 64, 128) for clamp, fast in ((False, False), (True, True))
+] + [
+    expert_ffn.ExpertFfnConfig(128, 7168, 3072, len(FFN_EXACT_COUNTS), True, False, debug_l1_acc=True),
+    expert_ffn.ExpertFfnConfig(32, 4096, 2048, len(FFN_EXACT_COUNTS), False, True, debug_l1_acc=True),
+]
+FFN_RANDOM_CONFIGS = [
+    expert_ffn.ExpertFfnConfig(block_m, hidden, intermediate, len(FFN_RANDOM_COUNTS), clamp, fast)
+    for hidden, intermediate in FFN_SHAPES for clamp in (False, True) for fast in (False, True)
+    for block_m in (32, 64, 128)
+]
+
 
 def all_variants() -> list[tuple[str, object, CheckOptions]]:
     """(name, config, compile checks) for every variant, deduplicated."""
@@ -36,6 +55,8 @@ def all_variants() -> list[tuple[str, object, CheckOptions]]:
     for config in SMOKE_CONFIGS:
         out[config.name] = (config.name, config, CheckOptions())
     for config in GEMM_EXACT_CONFIGS + GEMM_RANDOM_CONFIGS + GEMM_BENCH_CONFIGS:
+        out[config.name] = (config.name, config, CheckOptions(expect_qgmma=True))
+    for config in FFN_EXACT_CONFIGS + FFN_RANDOM_CONFIGS:
         out[config.name] = (config.name, config, CheckOptions(expect_qgmma=True))
     return list(out.values())
 
@@ -45,4 +66,6 @@ def compile_variant(config: object) -> compiler.CompileResult:
         return smoke.compile_smoke(config)
     if isinstance(config, gemm.GemmConfig):
         return gemm.compile_gemm(config)
+    if isinstance(config, expert_ffn.ExpertFfnConfig):
+        return expert_ffn.compile_expert_ffn(config)
     raise TypeError(f"unknown kernel config {config!r}")

@@ -1,0 +1,205 @@
+// L1 epilogue (DESIGN section 4): the promoted gate/up accumulator of one interleaved L1 tile ->
+// swiglu, times the row's top-k weight, per-row amax over the tile's 64 output columns, FP8 requant ->
+// staged in shared memory -> one TMA store of the L2 activation tile and one bulk store of its SFs ->
+// a release increment of the pool block's L1 completion counter once both have completed.
+#pragma once
+
+#include <cuda.h>
+
+#include "common/atomics.cuh"
+#include "common/fence.cuh"
+#include "common/sync.cuh"
+#include "common/tma.cuh"
+#include "epilogue/activation.cuh"
+#include "epilogue/fragment.cuh"
+#include "epilogue/requant.cuh"
+#include "epilogue/smem.cuh"
+
+namespace megamoe::epilogue {
+
+// One staging buffer: the FP8 tile, BLOCK_M rows of 64 B row-major (the TMA store's box, no swizzle; a warp's
+// 16-byte stores cover 8 whole rows = 512 contiguous bytes, so no bank conflicts), then the tile's BLOCK_M SFs.
+// Two buffers alternate between consecutive L1 tiles.
+template <uint32_t BLOCK_M>
+struct L1Staging {
+    static constexpr uint32_t kRowBytes = kL1OutputCols;
+    static constexpr uint32_t kSfOffset = BLOCK_M * kRowBytes;
+    static constexpr uint32_t kSfBytes = BLOCK_M * sizeof(float);
+    static constexpr uint32_t kBufferBytes = align_up<uint32_t>(kSfOffset + kSfBytes, 128);
+    static constexpr uint32_t kNumBuffers = 2;
+    static constexpr uint32_t kBytes = kNumBuffers * kBufferBytes;
+    static_assert(BLOCK_M == 32 or BLOCK_M == 64 or BLOCK_M == 128, "BLOCK_M in {32, 64, 128}");
+    static_assert(kSfOffset % 16 == 0 and kSfBytes % 16 == 0, "the SF bulk store needs 16 B size and alignment");
+    static_assert(kBufferBytes % 128 == 0, "TMA store sources stay 128 B aligned");
+
+    MEGAMOE_DEVICE static uint8_t* buffer(uint8_t* base, uint32_t idx) { return base + idx * kBufferBytes; }
+};
+
+// Everything the L1 epilogue reads or writes besides the accumulator.
+struct L1EpilogueArgs {
+    const CUtensorMap* act_store_map;  // L2 activations [P, I] e4m3, box {64 columns, BLOCK_M rows}, no swizzle
+    const float* topk_weights;         // [P]: the pool's l1_topk_weights
+    float* act_sf;                     // [I / 64][P] MN-major L2 activation SF (P a multiple of 4)
+    uint32_t* done_counts;             // [pool blocks]: finished L1 N blocks of each pool block
+    uint32_t num_pool_rows;            // P, the row pitch of act_sf
+    float clamp;                       // activation clamp (read only when compiled with it)
+};
+
+// Per math thread across L1 tiles: the staging buffer of the next tile (every thread) and, in the thread that
+// issues the stores, the completion counter of its last stored tile, not yet released.
+struct L1EpilogueState {
+    uint32_t buffer = 0;
+    uint32_t* pending_counter = nullptr;
+
+    // Store thread: wait for its stores, then release the counter they complete.
+    // NOTES: bulk async-groups belong to the issuing thread, so only it can wait for them. wait_group 0 (not
+    // .read) waits until the TMA writes of the activations and SFs are complete in global memory (DESIGN 5b);
+    // the proxy fence then orders those async-proxy writes before this thread's generic release, and the
+    // release.gpu is what the L2 producer's ld.acquire.gpu pairs with (it fences the async proxy again before
+    // its TMA loads). Called at the next L1 tile's epilogue, before any non-L1 work and at exit, so a counter
+    // is never held back while this CTA waits for it (the schedule's no-deadlock argument stays intact).
+    MEGAMOE_DEVICE void publish_pending() {
+        if (pending_counter != nullptr) {
+            ptx::bulk_wait_group<0>();
+            ptx::fence_proxy_async_global();
+            ptx::red_add_release<ptx::Scope::kGpu>(pending_counter, 1);
+            pending_counter = nullptr;
+        }
+    }
+};
+
+// Quantized halves of one thread: packed[h][c] holds the e4m3 codes of row r + 8 h at output columns
+// 8 (2 c) + 2 q + {0, 1} (bytes 0, 1) and 8 (2 c + 1) + 2 q + {0, 1} (bytes 2, 3); sf[h] is that row's SF.
+struct L1Quantized {
+    uint32_t packed[2][4];
+    float sf[2];
+};
+
+// Swiglu, scale, amax, quantize. Padding rows (>= num_valid_rows) become exact zeros (q = 0, SF = 1e-10 / 448)
+// whatever their inputs held, so stale pool rows can never leak NaN into the tile.
+template <bool kClamp, bool kFastMath>
+MEGAMOE_DEVICE L1Quantized l1_activate_quantize(const float (&acc)[kNumAccum], const AccFragment& frag,
+                                                const EpilogueTile& tile, const L1EpilogueArgs& args) {
+    // Top-k weights: a plain load (in the fused kernel dispatch writes them during the same launch: no .nc path)
+    float weight[2];
+    bool valid[2];
+    #pragma unroll
+    for (uint32_t h = 0; h < 2; ++ h) {
+        valid[h] = frag.row + 8 * h < tile.num_valid_rows;
+        weight[h] = valid[h] ? args.topk_weights[tile.pool_row + frag.row + 8 * h] : 0.0f;
+    }
+
+    L1Quantized out;
+    #pragma unroll
+    for (uint32_t h = 0; h < 2; ++ h) {
+        // v for output columns 8 g + 2 q + c, kept as v[2 g + c]
+        float v[2 * kNumGateUpPairs];
+        float amax = 0.0f;
+        #pragma unroll
+        for (uint32_t g = 0; g < kNumGateUpPairs; ++ g) {
+            #pragma unroll
+            for (uint32_t c = 0; c < 2; ++ c) {
+                const float x = swiglu_weighted<kClamp, kFastMath>(acc[acc_index(2 * g, h, c)],
+                                                                   acc[acc_index(2 * g + 1, h, c)], weight[h],
+                                                                   args.clamp);
+                v[2 * g + c] = valid[h] ? x : 0.0f;
+                amax = fmaxf(amax, fabsf(v[2 * g + c]));
+            }
+        }
+
+        // The row's 64 columns live in this quad
+        const RequantScales scales = requant_scales(quad_max(amax));
+        out.sf[h] = scales.sf;
+        #pragma unroll
+        for (uint32_t c = 0; c < 4; ++ c)
+            out.packed[h][c] = quantize_pair(v[4 * c + 0], v[4 * c + 1], scales.inv) |
+                               (quantize_pair(v[4 * c + 2], v[4 * c + 3], scales.inv) << 16);
+    }
+    return out;
+}
+
+// Write the thread's codes and SFs into one staging buffer. The quad transposes its words so that lane q holds
+// the 16-byte chunk q of each of its two rows: chunk word k = bytes 4 k .. 4 k + 3 come from lanes 2 (k % 2)
+// and 2 (k % 2) + 1, low halves for k < 2, high halves for k >= 2. Lanes 0 and 1 of a quad write the SFs of
+// rows r and r + 8. Call from whole warps whose rows lie inside the tile (shuffles).
+template <uint32_t BLOCK_M>
+MEGAMOE_DEVICE void l1_stage(const L1Quantized& q, const AccFragment& frag, uint8_t* buffer) {
+    using Staging = L1Staging<BLOCK_M>;
+    #pragma unroll
+    for (uint32_t h = 0; h < 2; ++ h) {
+        uint32_t t[4];
+        quad_transpose(q.packed[h], t, frag.quad_lane);
+        st_shared_v4(smem_addr(buffer) + (frag.row + 8 * h) * Staging::kRowBytes + 16 * frag.quad_lane,
+                     __byte_perm(t[0], t[1], 0x5410), __byte_perm(t[2], t[3], 0x5410),
+                     __byte_perm(t[0], t[1], 0x7632), __byte_perm(t[2], t[3], 0x7632));
+    }
+    if (frag.quad_lane < 2) {
+        float* sf = reinterpret_cast<float*>(buffer + Staging::kSfOffset);
+        sf[frag.row + 8 * frag.quad_lane] = frag.quad_lane == 0 ? q.sf[0] : q.sf[1];
+    }
+}
+
+// The whole L1 epilogue of one tile, called by every math thread (kNumMathThreads of them) with the same tile.
+// `is_store_thread`: one fixed math thread, the same for every tile.
+// NOTES: ordering, in the order it happens:
+// - staging buffer reuse: the store thread publishes (waits for) the previous tile's stores before arriving at
+//   this tile's barrier, and a thread writes buffer b again only two tiles later, after passing the barrier in
+//   between; so the stores that read b last have completed. Staging that aliases other shared memory (the L2
+//   staging) needs a barrier among the math threads before this call: see the assembler.
+// - st.shared of the tile and SFs -> fence.proxy.async.shared::cta by each writer -> named barrier among the
+//   math threads -> one thread issues the TMA store and the bulk store (DESIGN 5b).
+// - the SFs leave through the async proxy with the activations, in the same bulk group: no generic-proxy global
+//   store is published, so no writer-side fence.proxy.async.global per thread is needed.
+template <uint32_t BLOCK_M, uint32_t kNumMathThreads, uint32_t kBarrierIdx, bool kClamp, bool kFastMath>
+MEGAMOE_DEVICE void l1_epilogue(const float (&acc)[kNumAccum], const AccFragment& frag, const EpilogueTile& tile,
+                                uint8_t* staging, const L1EpilogueArgs& args, bool is_store_thread,
+                                L1EpilogueState& state) {
+    using Staging = L1Staging<BLOCK_M>;
+    static_assert(kNumMathThreads == (BLOCK_M == 128 ? 256 : 128), "one math warpgroup per 64 rows");
+
+    // The previous tile's stores had a whole mainloop to complete: release its counter, free its buffer
+    if (is_store_thread)
+        state.publish_pending();
+
+    // Swiglu, scale, amax, quantize, stage (BLOCK_M = 32: warps 2 and 3 hold WGMMA rows 32..63, discarded)
+    const L1Quantized quantized = l1_activate_quantize<kClamp, kFastMath>(acc, frag, tile, args);
+    uint8_t* buffer = Staging::buffer(staging, state.buffer);
+    if (frag.warp_row() < BLOCK_M)
+        l1_stage<BLOCK_M>(quantized, frag, buffer);
+
+    // Hand the buffer to the async proxy, then one thread stores the tile and its SFs
+    ptx::fence_proxy_async_shared_cta();
+    ptx::named_barrier_sync<kBarrierIdx, kNumMathThreads>();
+    if (is_store_thread) {
+        ptx::tma_store_2d(args.act_store_map, buffer, tile.n_block_idx * kL1OutputCols, tile.pool_row);
+        float* sf_dst = args.act_sf + static_cast<uint64_t>(tile.n_block_idx) * args.num_pool_rows + tile.pool_row;
+        ptx::bulk_store_1d(sf_dst, buffer + Staging::kSfOffset, Staging::kSfBytes);
+        ptx::bulk_commit_group();
+        state.pending_counter = args.done_counts + tile.pool_row / BLOCK_M;
+    }
+    state.buffer ^= 1;
+}
+
+// Debug: the promoted accumulator in fp32, in the natural (pre-transform) column order of w1, valid rows only:
+// gate column 64 n + 8 g + c at `out` column 64 n + 8 g + c, its up column at kIntermediate + that.
+template <uint32_t kIntermediate>
+MEGAMOE_DEVICE void store_l1_acc_natural(const float (&acc)[kNumAccum], const AccFragment& frag,
+                                         const EpilogueTile& tile, float* out) {
+    #pragma unroll
+    for (uint32_t h = 0; h < 2; ++ h) {
+        const uint32_t row = frag.row + 8 * h;
+        if (row >= tile.num_valid_rows)
+            continue;
+        float* dst = out + static_cast<uint64_t>(tile.pool_row + row) * (2 * kIntermediate) +
+                     tile.n_block_idx * kL1OutputCols + 2 * frag.quad_lane;
+        #pragma unroll
+        for (uint32_t g = 0; g < kNumGateUpPairs; ++ g) {
+            *reinterpret_cast<float2*>(dst + kChunkCols * g) =
+                make_float2(acc[acc_index(2 * g, h, 0)], acc[acc_index(2 * g, h, 1)]);
+            *reinterpret_cast<float2*>(dst + kIntermediate + kChunkCols * g) =
+                make_float2(acc[acc_index(2 * g + 1, h, 0)], acc[acc_index(2 * g + 1, h, 1)]);
+        }
+    }
+}
+
+}  // namespace megamoe::epilogue
