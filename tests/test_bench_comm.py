@@ -201,6 +201,24 @@ def test_assemble_table_and_json(tmp_path) -> None:
     assert back["results"][1]["target"] == {"max_round_trip_us": None, "min_gbps": 290.0}
 
 
+def test_variant_rows() -> None:
+    """Records with every variant: one row per variant after the NCCL rows, in COMM_VARIANTS order, each judged
+    against the target."""
+    case = bench.CommCase(H4096, 128)
+    recs = []
+    for rank in range(2):
+        rec = _record(384, 100.0, 60.0, 36.0 + rank)
+        rec["ours_legacy"] = dict(rec["ours"], median_us=46.0 + rank)
+        rec["ours_fused_pull"] = dict(rec["ours"], median_us=39.5)
+        recs.append([rec])
+    (result,) = bench.assemble_comm_results([case], recs, 2)
+    impls = [m.impl for m in result.measurements]
+    assert impls[2:] == [label for _, _, label in bench.COMM_VARIANTS]
+    legacy, default, fused = result.measurements[2:]
+    assert legacy.round_trip_us == 47.0 and legacy.met is False
+    assert default.round_trip_us == 37.0 and default.met is True and fused.met is True
+
+
 def test_missed_target_and_missing_rank() -> None:
     case = bench.CommCase(H7168, 128)
     records = [[_record(512, 100.0, 70.0, 65.0)], [_record(512, 100.0, 70.0, 50.0)]]
@@ -221,7 +239,10 @@ def test_missed_target_and_missing_rank() -> None:
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_kernel_configs(num_ranks: int) -> None:
     configs = bench.comm_kernel_configs(num_ranks)
-    assert len(configs) == 6 and len({c.name for _, c in configs}) == 6
+    n = 6 * len(bench.COMM_VARIANTS)  # every case x (legacy, default, fused pull)
+    assert len(configs) == n and len({c.name for _, c in configs}) == n
+    assert [k for k, _, _ in bench.COMM_VARIANTS] == ["ours_legacy", "ours", "ours_fused_pull"]
+    assert sum(c.is_legacy for _, c in configs) == 6 and sum(c.pull_warps == 2 for _, c in configs) == 6
     for case, config in configs:
         s = case.shape
         # the launch's BLOCK_M is the buffer's own (SymmBuffer.config() on an H200)
@@ -239,7 +260,7 @@ def test_two_rank_variants_compile_clean() -> None:
     from megamoe.jit import checks
 
     results = bench.precompile_comm([2])
-    assert len(results) == 6
+    assert len(results) == 6 * len(bench.COMM_VARIANTS)
     for result in results:
         assert checks.violations(result) == [], result.ptxas_log
 

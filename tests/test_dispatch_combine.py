@@ -29,15 +29,24 @@ WIDE = (1, 8, 64, 4, 7168, 128)  # 56 SF per row: more than one per lane; 7 KB r
 NARROW = (1, 8, 64, 2, 128, 128)  # 256 B combine chunks
 # Kept in sync with tests/test_dispatch_combine_multigpu.py (compiled here so the GPU run finds them cached)
 MULTI = (2, 8, 256, 4, 512, 128)
+LEGACY, FUSED = "legacy", "fused_pull"  # knob presets besides the default (dispatch_combine.py)
+KNOBS = {None: {}, LEGACY: dc.LEGACY_KNOBS, FUSED: dc.FUSED_PULL_KNOBS}
+# The knob sets the multigpu tier launches besides the default: the legacy kernel and the fused kernel's pull
+MULTI_PRESETS = ((64, True, LEGACY), (64, True, FUSED))
+VARIANT_CASES = [(MAIN, 64, False, None), (WIDE, 64, True, None), (NARROW, 32, True, None),
+                 (MAIN, 64, True, LEGACY), (MAIN, 64, True, FUSED), (WIDE, 64, True, LEGACY),
+                 (WIDE, 64, True, FUSED), (NARROW, 32, True, FUSED)]
 COMPILE_CASES = (
-    [(MAIN, bm, True) for bm in (32, 64, 128)] + [(MAIN, 64, False), (WIDE, 64, True), (NARROW, 32, True)]
-    + [(MULTI, bm, True) for bm in (32, 64, 128)] + [(MULTI, 64, False)]
-    + [((8, 384, 8192, 8, 7168, 3072), 128, True), ((4, 48, 64, 6, 256, 128), 32, True)]
+    [(MAIN, bm, True, None) for bm in (32, 64, 128)] + VARIANT_CASES
+    + [(MULTI, bm, True, None) for bm in (32, 64, 128)] + [(MULTI, 64, False, None)]
+    + [(MULTI, bm, bulk, preset) for bm, bulk, preset in MULTI_PRESETS]
+    + [((8, 384, 8192, 8, 7168, 3072), 128, True, None), ((8, 384, 8192, 8, 7168, 3072), 128, True, LEGACY),
+       ((4, 48, 64, 6, 256, 128), 32, True, None)]
 )
 
 
-def _config(shape: tuple, block_m: int, bulk: bool) -> dc.DispatchCombineConfig:
-    return dc.DispatchCombineConfig(SymmLayout.create(*shape), block_m, bulk)
+def _config(shape: tuple, block_m: int, bulk: bool, preset: str | None = None) -> dc.DispatchCombineConfig:
+    return dc.DispatchCombineConfig(SymmLayout.create(*shape), block_m, bulk, **KNOBS[preset])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -52,8 +61,29 @@ def test_source_and_smem_plan() -> None:
     assert "kBlockM = 64;" in src and "kBulkPull = true;" in src
     regions = config.smem_regions
     assert all(offset % 128 == 0 for offset, _ in regions.values())
-    assert regions["pull"][1] == dc.NUM_WARPS * 512 and config.smem_bytes <= 232448
+    # default: 2 stages per warp of (512 B row + 16 B SF row, 128 B aligned); no combine ring (ldg reduce)
+    assert dc.pull_stage_bytes(512) == 640 and dc.pull_stage_bytes(128) == 128 and dc.pull_stage_bytes(7168) == 7424
+    assert regions["pull"][1] == dc.NUM_WARPS * 2 * 640 and regions["combine"][1] == 0
+    assert regions["barriers"][1] == dc.NUM_WARPS * 2 * 8 and config.smem_bytes <= 232448
+    assert "kLeanSync = true;" in src and "kPipelinedPull = true;" in src and "kBulkReduce = false;" in src
+    # the legacy knobs: the first version's plan and name
+    legacy = _config(MULTI, 64, True, LEGACY)
+    assert legacy.is_legacy and legacy.knob_tag == "" and legacy.name.endswith("_bm64_bulk")
+    assert legacy.smem_regions["pull"][1] == dc.NUM_WARPS * 512
+    assert legacy.smem_regions["barriers"][1] == dc.NUM_WARPS * (1 + dc.NUM_COMBINE_STAGES) * 8
+    legacy_src = dc.source(legacy)
+    assert "kLeanSync = false;" in legacy_src and "kBulkReduce = true;" in legacy_src
+    assert "kPipelinedPull = false;" in legacy_src and "kCoalescedCombineStore = false;" in legacy_src
+    fused = _config(MULTI, 64, True, FUSED)
+    assert fused.smem_regions["pull"][1] == 2 * 4 * 640 and "_p2x4_" in fused.name
+    assert len({_config(MULTI, 64, True, p).name for p in KNOBS}) == 3
     assert _config(MULTI, 64, False).smem_regions["pull"][1] == 0
+    with pytest.raises(ValueError, match="shared memory"):
+        dc.DispatchCombineConfig(SymmLayout.create(*WIDE), 64, True, pull_stages=4)
+    for bad in ({"pull_stages": 0}, {"pull_warps": 13}, {"combine_store": "x"}, {"reduce": "x"},
+                {"reduce_vecs": 5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            dc.DispatchCombineConfig(SymmLayout.create(*MULTI), 64, True, **bad)
     assert dc.combine_chunk_bytes(128) == 256 and dc.combine_chunk_bytes(7168) == 1024
     with pytest.raises(ValueError, match="block_m"):
         _config(MULTI, 48, True)
@@ -122,16 +152,19 @@ def test_expected_y() -> None:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("shape,block_m,bulk", COMPILE_CASES,
-                         ids=[f"r{s[0]}-e{s[1]}-h{s[4]}-bm{bm}-{'bulk' if b else 'ldst'}"
-                              for s, bm, b in COMPILE_CASES])
-def test_kernel_compiles_clean(shape: tuple, block_m: int, bulk: bool) -> None:
-    result = dc.compile_kernel(_config(shape, block_m, bulk))
+@pytest.mark.parametrize("shape,block_m,bulk,preset", COMPILE_CASES,
+                         ids=[f"r{s[0]}-e{s[1]}-h{s[4]}-bm{bm}-{'bulk' if b else 'ldst'}-{p or 'default'}"
+                              for s, bm, b, p in COMPILE_CASES])
+def test_kernel_compiles_clean(shape: tuple, block_m: int, bulk: bool, preset: str | None) -> None:
+    config = _config(shape, block_m, bulk, preset)
+    result = dc.compile_kernel(config)
     assert checks.violations(result) == [], result.ptxas_log
     assert result.entry.stack_frame_bytes == 0 and result.entry.spill_store_bytes == 0
     sass = result.sass or ""
-    # The protocol's instructions are there: bulk copies (pull row, combine loads), peer-scoped atomics
-    assert "UBLKCP" in sass and "STRONG.SYS" in sass and "FENCE.VIEW.ASYNC" in sass
+    # The protocol's instructions are there: bulk copies (pull row, or the legacy reduce's combine loads),
+    # peer-scoped atomics, proxy fences
+    assert ("UBLKCP" in sass) == (bulk or config.reduce == "bulk")
+    assert "STRONG.SYS" in sass and "FENCE.VIEW.ASYNC" in sass
     assert ("UBLKCP.G.S" in sass) == bulk, "the pull's bulk store exists exactly in the bulk variant"
 
 
@@ -166,14 +199,27 @@ def test_single_rank_exact(block_m: int, routing: str, tokens: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,block_m,bulk", [(MAIN, 64, False), (WIDE, 64, True), (NARROW, 32, True)],
-                         ids=["ldst-pull", "hidden7168", "hidden128"])
-def test_single_rank_variants(shape: tuple, block_m: int, bulk: bool) -> None:
+@pytest.mark.parametrize("shape,block_m,bulk,preset", VARIANT_CASES,
+                         ids=["ldst-pull", "hidden7168", "hidden128", "legacy", "fused-pull", "hidden7168-legacy",
+                              "hidden7168-fused-pull", "hidden128-fused-pull"])
+def test_single_rank_variants(shape: tuple, block_m: int, bulk: bool, preset: str | None) -> None:
     buf = _buffer(shape)
     for call, routing in enumerate(["uniform", "masked", "one_expert"]):
         inputs = dc.random_inputs(buf.layout, [shape[2] - call], routing, seed=100 + call)
-        assert dc.checked_call(buf, inputs, block_m, bulk) == [], routing
+        assert dc.checked_call(buf, inputs, block_m, bulk, KNOBS[preset]) == [], routing
     assert dc.workspace_errors(buf, 3) == []
+
+
+@pytest.mark.gpu
+def test_legacy_and_default_alternate() -> None:
+    """Calls alternating between the legacy and the default kernel on one buffer (the bench does this): both
+    keep the workspace (counters, NVLink barrier words) in the same state."""
+    buf = _buffer(MAIN)
+    for call in range(6):
+        inputs = dc.random_inputs(buf.layout, [MAIN[2] - 7 * call], dc.ROUTINGS[call % 4], seed=300 + call)
+        preset = (LEGACY, None, FUSED)[call % 3]
+        assert dc.checked_call(buf, inputs, 64, True, KNOBS[preset]) == [], (call, preset)
+    assert dc.workspace_errors(buf, 6) == []
 
 
 @pytest.mark.gpu

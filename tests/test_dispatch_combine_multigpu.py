@@ -5,7 +5,8 @@ torch.distributed NCCL on localhost, torch symmetric memory), through the unit-t
 Every rank generates every rank's inputs from one shared seed, so it knows exactly what each of its local
 experts must receive: pool rows, SF, weights, metadata, counts and y are checked bit for bit on every rank.
 Cases: each routing (uniform, all tokens to one expert, all tokens to the other rank, masked slots) x each
-BLOCK_M, T = T_max on both ranks, T = 0 on one rank only; the ld/st pull path; 200 back-to-back calls; and a rank
+BLOCK_M, T = T_max on both ranks, T = 0 on one rank only; the ld/st pull path; the legacy knobs and the fused
+kernel's pull (2 warps, 4 rows in flight); 200 back-to-back calls; and a rank
 that never launches, whose peer must report a timeout diagnostic and fail instead of hanging.
 """
 from __future__ import annotations
@@ -46,16 +47,23 @@ def _buffer(group: Any):
 
 
 
-def _scenario_exact(group: Any, bulk: bool) -> list[str]:
+def _knobs(preset: str | None) -> dict:
+    from megamoe.kernels import dispatch_combine as dc
+
+    return {None: {}, "legacy": dc.LEGACY_KNOBS, "fused_pull": dc.FUSED_PULL_KNOBS}[preset]
+
+
+def _scenario_exact(group: Any, bulk: bool, preset: str | None = None) -> list[str]:
     from megamoe.kernels import dispatch_combine as dc
 
     buf = _buffer(group)
+    knobs = _knobs(preset)
     t_max = SHAPE[2]
     errors, num_calls = [], 0
     token_cases = {"random": None, "max": [t_max, t_max], "zero_on_rank1": [t_max // 2, 0],
                    "zero_on_rank0": [0, 37]}
     routings = dc.ROUTINGS if bulk else ("uniform", "other_rank")
-    block_ms = (32, 64, 128) if bulk else (64,)
+    block_ms = (32, 64, 128) if bulk and preset is None else (64,)
     for block_m in block_ms:
         for routing in routings:
             for label, tokens in token_cases.items():
@@ -63,7 +71,7 @@ def _scenario_exact(group: Any, bulk: bool) -> list[str]:
                 seed = rng.randrange(1 << 30)
                 counts = tokens or [rng.randint(1, t_max) for _ in range(NUM_RANKS)]
                 inputs = dc.random_inputs(buf.layout, counts, routing, seed=seed)
-                case_errors = dc.checked_call(buf, inputs, block_m, bulk)
+                case_errors = dc.checked_call(buf, inputs, block_m, bulk, knobs)
                 num_calls += 1
                 errors += [f"bm={block_m} {routing} {label} T={counts}: {e}" for e in case_errors]
     errors += dc.workspace_errors(buf, num_calls)
@@ -209,8 +217,9 @@ def _spawn(scenario: str, timeout_s: float = 900.0, **kwargs: Any) -> dict[int, 
     from megamoe.layout import SymmLayout
 
     # Compile once here (no GPU needed) rather than in both ranks at once: the variants the scenarios launch
-    for block_m, bulk in ((32, True), (64, True), (128, True), (64, False)):
-        dc.compile_kernel(dc.DispatchCombineConfig(SymmLayout.create(*SHAPE), block_m, bulk))
+    for block_m, bulk, knobs in ((32, True, {}), (64, True, {}), (128, True, {}), (64, False, {}),
+                                 (64, True, dc.LEGACY_KNOBS), (64, True, dc.FUSED_PULL_KNOBS)):
+        dc.compile_kernel(dc.DispatchCombineConfig(SymmLayout.create(*SHAPE), block_m, bulk, **knobs))
     for name, value in NO_MULTICAST_ENV.items():  # inherited by the spawned children as well
         os.environ[name] = value
     ctx = mp.get_context("spawn")
@@ -263,6 +272,16 @@ def test_two_ranks_exact_every_routing() -> None:
 
 def test_two_ranks_ldst_pull() -> None:
     _assert_clean(_spawn("exact", bulk=False))
+
+
+def test_two_ranks_legacy_knobs() -> None:
+    """The first version of the kernel (LEGACY_KNOBS), which the bench runs side by side with the default."""
+    _assert_clean(_spawn("exact", bulk=True, preset="legacy"))
+
+
+def test_two_ranks_fused_pull_knobs() -> None:
+    """2 pulling warps per CTA with 4 rows in flight each (the fused kernel's dispatch warps)."""
+    _assert_clean(_spawn("exact", bulk=True, preset="fused_pull"))
 
 
 def test_two_ranks_back_to_back_200_calls() -> None:

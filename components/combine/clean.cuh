@@ -31,4 +31,32 @@ MEGAMOE_DEVICE void clean_workspace(const SymBuffer& sym, uint32_t cta_idx, uint
                num_threads);
 }
 
+// The same clean split in two for nvlink_barrier_polled (no grid sync of its own):
+// clean_recv_counts: CTA 0's threads, in the combine barrier's before_signal, i.e. after its prologue grid sync.
+// NOTES: every CTA read expert_recv_count (build_recv_table / prefetch_recv_counts) before it arrived at that
+// grid sync, whose acquire orders those reads before these zero stores; the signals that follow publish the zeros
+// (release cumulativity through the CTA barrier) before any peer can pass the barrier and red.add its next call's
+// counts. This rank's own next call adds after the kernel boundary.
+template <uint32_t kNumThreads>
+MEGAMOE_DEVICE void clean_recv_counts(const SymBuffer& sym, uint32_t thread_idx) {
+    zero_words(sym.local<uint32_t>(layout::kExpertRecvCountOffset), layout::kNumLocalExperts * layout::kNumRanks,
+               thread_idx, kNumThreads);
+}
+
+// clean_local_counters: every thread of every CTA, after the same prologue grid sync (while_waiting).
+// NOTES: expert_send_count was last touched by count_and_notify, l1_arrival_count / l1_done_count by the pull's
+// red.release and the expert's acquire loads, all before each CTA's arrival at that grid sync: its acquire
+// orders them before these stores (coherence: a red before the zero cannot land after it). Nothing reads them
+// again in this kernel; the next call runs after the kernel boundary.
+template <uint32_t kNumThreads>
+MEGAMOE_DEVICE void clean_local_counters(const SymBuffer& sym, uint32_t cta_idx, uint32_t num_ctas,
+                                         uint32_t thread_idx) {
+    const uint32_t thread_rank = cta_idx * kNumThreads + thread_idx, num_threads = num_ctas * kNumThreads;
+    zero_words(sym.local<uint32_t>(layout::kExpertSendCountOffset), layout::kNumExperts, thread_rank, num_threads);
+    zero_words(sym.local<uint32_t>(layout::kL1ArrivalCountOffset), layout::kNumMaxPoolBlocks, thread_rank,
+               num_threads);
+    zero_words(sym.local<uint32_t>(layout::kL1DoneCountOffset), layout::kNumMaxPoolBlocks, thread_rank,
+               num_threads);
+}
+
 }  // namespace megamoe::combine

@@ -135,4 +135,102 @@ MEGAMOE_DEVICE void reduce_tokens(const DeviceEnv& env, const SymBuffer& sym, ui
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Reduce by chunks: the unit of work is (token, 32 x kVecsPerLane 16-B vectors of its row), so a token's row is
+// spread over several warps and a few tokens still occupy the whole GPU; every valid slot's vectors of the unit
+// are loaded (plain 16 B loads, up to kSlotBatch slots x kVecsPerLane in flight per lane) before any is added.
+// ---------------------------------------------------------------------------------------------------------------
+
+constexpr uint32_t kVecsPerRow = kRowBytes / 16;  // 16 B = 8 BF16
+constexpr uint32_t kSlotBatch = layout::kNumTopk < 8 ? layout::kNumTopk : 8u;
+
+template <uint32_t kVecsPerLane>
+MEGAMOE_DEVICE void accumulate_vecs(float* acc, const uint4 (&v)[kSlotBatch][kVecsPerLane], uint32_t j) {
+#pragma unroll
+    for (uint32_t q = 0; q < kVecsPerLane; ++ q) {
+        const uint32_t w[4] = {v[j][q].x, v[j][q].y, v[j][q].z, v[j][q].w};
+#pragma unroll
+        for (uint32_t i = 0; i < 4; ++ i) {
+            // BF16 -> FP32 is exact: the BF16 bits are the top half of the float
+            acc[q * 8 + i * 2 + 0] += __uint_as_float(w[i] << 16);
+            acc[q * 8 + i * 2 + 1] += __uint_as_float(w[i] & 0xffff0000u);
+        }
+    }
+}
+
+// Called by every lane of a warp, after the combine barrier; global warp `warp_rank` of `num_warps` takes a
+// contiguous range of the num_tokens x kUnitsPerToken units (consecutive units mostly share a token, whose slot
+// mask is then loaded once). y: [num_tokens, H] BF16, rows 16 B aligned. Same sums as reduce_tokens: fp32 from
+// +0, the valid slots in slot order, one rounding to BF16.
+template <uint32_t kVecsPerLane>
+MEGAMOE_DEVICE void reduce_token_chunks(const SymBuffer& sym, uint32_t num_tokens, __nv_bfloat16* y,
+                                        uint32_t warp_rank, uint32_t num_warps) {
+    static_assert(kVecsPerLane >= 1 and kVecsPerLane <= 4, "1..4 vectors of 16 B per lane and slot");
+    constexpr uint32_t kVecsPerUnit = 32 * kVecsPerLane;
+    constexpr uint32_t kUnitsPerToken = (kVecsPerRow + kVecsPerUnit - 1) / kVecsPerUnit;
+    const uint32_t lane = lane_idx();
+    const int64_t* topk_idx = sym.local<const int64_t>(layout::kTopkIdxOffset);
+    const uint8_t* combine = sym.local<const uint8_t>(0);
+    const uint32_t num_units = num_tokens * kUnitsPerToken;
+    const uint32_t begin = static_cast<uint32_t>(static_cast<uint64_t>(num_units) * warp_rank / num_warps);
+    const uint32_t end = static_cast<uint32_t>(static_cast<uint64_t>(num_units) * (warp_rank + 1) / num_warps);
+
+    // NOTES: the peers' combine rows are generic-proxy stores (combine/scatter.cuh), published by the combine
+    // barrier this warp is past (its CTA's acquire, extended by the CTA barrier); generic loads need no proxy
+    // fence. ld.global.cg reads L2 (the point of coherence for the NVLink writes), never a stale L1 line of an
+    // earlier call.
+    uint32_t mask_token = 0xffffffffu, slot_mask = 0;
+    for (uint32_t unit = begin; unit < end; ++ unit) {
+        const uint32_t token = unit / kUnitsPerToken, first_vec = unit % kUnitsPerToken * kVecsPerUnit;
+        if (token != mask_token) {
+            const bool valid =
+                lane < layout::kNumTopk and topk_idx[static_cast<uint64_t>(token) * layout::kNumTopk + lane] >= 0;
+            slot_mask = __ballot_sync(0xffffffffu, valid);
+            mask_token = token;
+        }
+        float acc[kVecsPerLane * 8];
+#pragma unroll
+        for (uint32_t i = 0; i < kVecsPerLane * 8; ++ i)
+            acc[i] = 0.0f;
+
+#pragma unroll 1
+        for (uint32_t slot_base = 0; slot_base < layout::kNumTopk; slot_base += kSlotBatch) {
+            uint4 v[kSlotBatch][kVecsPerLane];
+#pragma unroll
+            for (uint32_t j = 0; j < kSlotBatch; ++ j) {
+                const uint32_t slot = slot_base + j;
+#pragma unroll
+                for (uint32_t q = 0; q < kVecsPerLane; ++ q) {
+                    const uint32_t vec = first_vec + q * 32 + lane;
+                    v[j][q] = make_uint4(0u, 0u, 0u, 0u);
+                    if (slot < layout::kNumTopk and ((slot_mask >> slot) & 1u) and vec < kVecsPerRow)
+                        v[j][q] = __ldcg(reinterpret_cast<const uint4*>(combine + combine_row_offset(slot, token)) +
+                                         vec);
+                }
+            }
+#pragma unroll
+            for (uint32_t j = 0; j < kSlotBatch; ++ j) {
+                const uint32_t slot = slot_base + j;
+                if (slot < layout::kNumTopk and ((slot_mask >> slot) & 1u))
+                    accumulate_vecs<kVecsPerLane>(acc, v, j);
+            }
+        }
+
+        uint8_t* y_row = reinterpret_cast<uint8_t*>(y) + static_cast<uint64_t>(token) * kRowBytes;
+#pragma unroll
+        for (uint32_t q = 0; q < kVecsPerLane; ++ q) {
+            const uint32_t vec = first_vec + q * 32 + lane;
+            if (vec < kVecsPerRow) {
+                uint32_t packed[4];
+#pragma unroll
+                for (uint32_t i = 0; i < 4; ++ i) {
+                    const __nv_bfloat162 b = __floats2bfloat162_rn(acc[q * 8 + i * 2], acc[q * 8 + i * 2 + 1]);
+                    packed[i] = *reinterpret_cast<const uint32_t*>(&b);
+                }
+                reinterpret_cast<uint4*>(y_row)[vec] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            }
+        }
+    }
+}
+
 }  // namespace megamoe::combine

@@ -82,3 +82,65 @@ MEGAMOE_DEVICE void nvlink_barrier(const DeviceEnv& env, const BarrierTags& tags
 }
 
 }  // namespace megamoe
+
+namespace megamoe {
+
+// The same cross-rank barrier with one grid sync instead of two: after the prologue grid sync, CTA 0 signals
+// every rank, and every CTA's thread 0 waits for the signals itself (no epilogue grid sync).
+//
+// `ordinal` is this barrier's number: nvl_counter as read by every thread at kernel start (before its CTA's first
+// arrival at a grid sync) plus the barriers this kernel has passed. Only CTA 0's thread 0 writes nvl_counter
+// (ordinal + 1, after its wait), and only after the prologue grid sync, i.e. after every CTA has arrived there and
+// so has read the counter: no CTA reads it while it moves. A CTA cannot miss its signal word's target: the word is
+// next changed by a peer's signal for barrier ordinal + 2, sent after that peer passed ordinal + 1, which needs this
+// rank's signal for ordinal + 1, sent after every CTA here arrived at that prologue, i.e. after this wait.
+//
+// before_signal(): run by CTA 0's threads after the prologue and before the signals, which publish its writes to
+// the peers (the combine barrier zeroes expert_recv_count there). while_waiting(): run by every thread after the
+// prologue, before its CTA's wait (work off the critical path, e.g. clearing local counters).
+template <typename SyncCta, typename BeforeSignal, typename WhileWaiting>
+MEGAMOE_DEVICE void nvlink_barrier_polled(const DeviceEnv& env, const BarrierTags& tags, const SymBuffer& sym,
+                                          const BarrierWords& words, uint32_t ordinal, uint32_t cta_idx,
+                                          uint32_t num_ctas, uint32_t thread_idx, const SyncCta& sync_cta,
+                                          const BeforeSignal& before_signal, const WhileWaiting& while_waiting,
+                                          bool debug_never_done = false) {
+    // NOTES: the prologue's release chain is nvlink_barrier's: every thread's writes (peer stores and red
+    // included) -> CTA barrier -> leader's atom.release.sys -> CTA 0's acquire -> CTA 0's CTA barrier -> its
+    // signalling threads' red.release.sys (cumulativity) -> a peer thread's ld.acquire.sys that reads the target.
+    // before_signal's writes by CTA 0's threads join the chain through the CTA barrier before the signals.
+    grid_sync<ptx::Scope::kSys>(env, tags.prologue, words.grid_counter, cta_idx, num_ctas, thread_idx == 0,
+                                sync_cta);
+
+    const uint32_t status = ordinal & 3u;
+    const uint32_t phase = status & 1u;
+    const bool negative = (status >> 1) != 0;
+    uint32_t* signal = words.nvl_signals + phase;
+
+    if (cta_idx == 0) {
+        before_signal();
+        sync_cta();
+        if (thread_idx < sym.num_ranks)
+            ptx::red_add_release<ptx::Scope::kSys>(sym.map(signal, thread_idx), negative ? 0xffffffffu : 1u);
+    }
+    while_waiting();
+
+    // NOTES: every CTA's thread 0 acquires the signal word at .sys scope. It reads the sum of every rank's
+    // red.release.sys (this rank's own included): each rank's release heads a release sequence that the later
+    // atomic adds continue, so the acquire synchronizes with all of them and sees every write they publish (the
+    // peers' combine rows or counts, and this rank's other CTAs' writes, through CTA 0's signal). The closing CTA
+    // barrier extends the acquire to the CTA's other threads.
+    if (thread_idx == 0) {
+        const uint32_t target = (negative ? 0u : sym.num_ranks) + (debug_never_done ? 0x40000000u : 0u);
+        bounded_wait(
+            env, tags.cross_rank, [&]() { return ptx::ld_acquire<ptx::Scope::kSys>(signal) == target; },
+            [&]() {
+                return make_longlong3(static_cast<int32_t>(ptx::ld_relaxed<ptx::Scope::kSys>(signal)),
+                                      static_cast<int32_t>(target), ordinal);
+            });
+        if (cta_idx == 0)
+            *words.nvl_counter = ordinal + 1u;
+    }
+    sync_cta();
+}
+
+}  // namespace megamoe

@@ -102,4 +102,125 @@ MEGAMOE_DEVICE void pull_rows(const DeviceEnv& env, const SymBuffer& sym, const 
         release_row<kBulkPull>(sym, pending_block, lane);
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Pipelined pull: kStages rows in flight per warp (a ring of kStages shared-memory stages, one mbarrier each).
+// ---------------------------------------------------------------------------------------------------------------
+
+// The SF row travels with the row as a second 1D bulk load when it is a multiple of 16 B (H % 512 == 0; x_sf
+// rows then start 16 B aligned too); otherwise the lanes copy it with plain loads when the row is issued.
+constexpr bool kPullSfBulk = kNumSfPerRow % 4 == 0;
+constexpr uint32_t kPullSfBytes = kNumSfPerRow * sizeof(float);
+constexpr uint32_t kPullStageSfOffset = align_up(layout::kHidden, 16u);
+constexpr uint32_t kPullStageBytes = align_up(kPullStageSfOffset + (kPullSfBulk ? kPullSfBytes : 0u), 128u);
+constexpr uint32_t kPullTxBytes = layout::kHidden + (kPullSfBulk ? kPullSfBytes : 0u);
+static_assert(kPullTxBytes < (1u << 20), "one row per mbarrier transaction (tx-count limit 2^20 - 1)");
+static_assert(not kPullSfBulk or layout::kXSfOffset % 16 == 0, "x_sf rows 16 B aligned for the bulk load");
+
+// Publish pulled row(s): lane 0 waits until at most kPendingStores bulk-store groups are pending (the row's own
+// store, committed before those, is complete), then the same chain as release_row.
+template <int kPendingStores>
+MEGAMOE_DEVICE void release_pipelined_row(const SymBuffer& sym, uint32_t pool_block, uint32_t lane) {
+    // NOTES: cp.async.bulk.wait_group N (not `.read`) completes every bulk-store group but the N most recent, so
+    // the released row's store has performed its writes. fence.proxy.async.global in every lane orders the lane's
+    // generic stores (SF, weight, metadata) with the GEMM's async-proxy reads of the pool (DESIGN 5b); __syncwarp
+    // orders every lane's writes before lane 0's red.release.gpu, which publishes them by cumulativity.
+    if (lane == 0)
+        ptx::bulk_wait_group<kPendingStores>();
+    ptx::fence_proxy_async_global();
+    __syncwarp();
+    if (lane == 0)
+        ptx::red_add_release<ptx::Scope::kGpu>(l1_arrival_count(sym) + pool_block, 1u);
+}
+
+// Called by every lane of a warp, after the dispatch barrier and build_recv_table. Global pulling warp `warp_rank`
+// of `num_warps` takes received rows warp_rank + i * num_warps. Row i goes peer x -> stage i % kStages (1D bulk
+// load of the row and of its SF row, on that stage's mbarrier) -> pool (1D bulk store); up to kStages loads are in
+// flight while the oldest row lands. Lane s (s < kStages) keeps the top-k weight and the pool row of the row in
+// stage s in registers (no dynamically indexed register arrays: no local memory).
+template <uint32_t kBlockM, uint32_t kStages>
+MEGAMOE_DEVICE void pull_rows_pipelined(const DeviceEnv& env, const SymBuffer& sym, const RecvTable& table,
+                                        uint8_t* smem_stages, uint64_t* stage_barriers, uint32_t warp_rank,
+                                        uint32_t num_warps) {
+    static_assert(kStages >= 1 and kStages <= 8, "1..8 rows in flight per warp");
+    constexpr uint32_t kNumTopk = layout::kNumTopk;
+    const uint32_t lane = lane_idx();
+    const uint32_t num_rows = table.num_rows();
+    const uint32_t num_mine = warp_rank < num_rows ? (num_rows - warp_rank + num_warps - 1) / num_warps : 0u;
+
+    float stage_weight = 0.0f;    // lane s: the weight of the row in stage s
+    uint32_t stage_pool_row = 0;  // lane s: the pool row of the row in stage s
+
+    // Start row i into its stage: bulk loads of the row (and SF row), metadata now, weight into lane s's register
+    const auto issue = [&](uint32_t i) {
+        const uint32_t stage = i % kStages;
+        const RowLocation loc = locate(table, warp_rank + i * num_warps);
+        // NOTES: written by the source rank (plain peer stores) before its dispatch-barrier release; this thread
+        // is past the barrier's acquire chain, so a plain load sees it.
+        const uint32_t token_topk =
+            *sym.local<const uint32_t>(src_token_topk_idx_offset(loc.local_expert, loc.src_rank, loc.src_slot));
+        const uint32_t token = token_topk / kNumTopk, slot = token_topk % kNumTopk;
+        uint8_t* stage_smem = smem_stages + stage * kPullStageBytes;
+        // Input rows were written before the source rank's launch: kernel order, any proxy
+        if (lane == 0) {
+            ptx::mbarrier_arrive_expect_tx(stage_barriers + stage, kPullTxBytes);
+            ptx::bulk_load_1d(stage_smem, sym.peer<const uint8_t>(x_row_offset(token), loc.src_rank),
+                              layout::kHidden, stage_barriers + stage);
+            if constexpr (kPullSfBulk)
+                ptx::bulk_load_1d(stage_smem + kPullStageSfOffset,
+                                  sym.peer<const float>(x_sf_offset(token, 0), loc.src_rank), kPullSfBytes,
+                                  stage_barriers + stage);
+            *pool_src_metadata(sym, loc.pool_row) = make_uint4(loc.src_rank, token, slot, 0u);
+        }
+        if constexpr (not kPullSfBulk) {
+            for (uint32_t k = lane; k < kNumSfPerRow; k += 32)
+                *pool_sf(sym, k, loc.pool_row) = __ldcg(sym.peer<const float>(x_sf_offset(token, k), loc.src_rank));
+        }
+        // The load is consumed only when the row lands (its latency overlaps the bulk loads)
+        if (lane == stage) {
+            stage_weight = __ldcg(sym.peer<const float>(topk_weight_offset(token, slot), loc.src_rank));
+            stage_pool_row = loc.pool_row;
+        }
+    };
+
+    const uint32_t num_prologue = min(num_mine, kStages);
+    for (uint32_t i = 0; i < num_prologue; ++ i)
+        issue(i);
+
+    uint32_t prev_block = 0;
+    for (uint32_t i = 0; i < num_mine; ++ i) {
+        const uint32_t stage = i % kStages;
+        const uint32_t row = __shfl_sync(0xffffffffu, stage_pool_row, stage);
+        uint8_t* stage_smem = smem_stages + stage * kPullStageBytes;
+
+        // Every lane observes the stage's phase (it reads the SF from the stage), then lane 0 lands the row
+        ptx::mbarrier_wait(env, "dispatch_pull", stage_barriers + stage, (i / kStages) & 1u);
+        if (lane == 0) {
+            ptx::bulk_store_1d(pool_row(sym, row), stage_smem, layout::kHidden);
+            ptx::bulk_commit_group();
+        }
+        if constexpr (kPullSfBulk) {
+            const float* sf = reinterpret_cast<const float*>(stage_smem + kPullStageSfOffset);
+            for (uint32_t k = lane; k < kNumSfPerRow; k += 32)
+                *pool_sf(sym, k, row) = sf[k];
+        }
+        if (lane == stage)
+            *pool_topk_weight(sym, row) = stage_weight;
+
+        // Release the previous row (its store: every group but this row's is complete)
+        if (i > 0)
+            release_pipelined_row<1>(sym, prev_block, lane);
+        prev_block = row / kBlockM;
+
+        // Refill the stage: the store has read it (lane 0) and every lane has read its SF (__syncwarp)
+        if (i + kStages < num_mine) {
+            if (lane == 0)
+                ptx::bulk_wait_group_read<0>();
+            __syncwarp();
+            issue(i + kStages);
+        }
+    }
+    if (num_mine > 0)
+        release_pipelined_row<0>(sym, prev_block, lane);
+}
+
 }  // namespace megamoe::dispatch

@@ -41,8 +41,21 @@ MEGAMOE_DEVICE uint32_t warp_inclusive_scan(uint32_t value, uint32_t lane) {
     return value;
 }
 
-// One warp builds the table; the caller's CTA barrier publishes it to the other warps.
-template <uint32_t kBlockM>
+// Optional first step, by every thread of the CTA: copy the counts into pair_prefix (the scan then runs in place),
+// one L2 round trip for all of them instead of one per 32 pairs in the scanning warp. The caller's CTA barrier
+// publishes them to the scanning warp.
+template <uint32_t kNumThreads>
+MEGAMOE_DEVICE void prefetch_recv_counts(const RecvTable& table, const SymBuffer& sym, uint32_t thread_idx) {
+    // NOTES: same ordering as in build_recv_table: this thread is past the dispatch barrier's acquire (its CTA
+    // leader's acquire, extended by the CTA barrier), so relaxed loads see the peers' totals.
+    const uint32_t* recv_count = expert_recv_count(sym);
+    for (uint32_t k = thread_idx; k < kNumRecvPairs; k += kNumThreads)
+        table.pair_prefix[k] = ptx::ld_relaxed<ptx::Scope::kGpu>(recv_count + k);
+}
+
+// One warp builds the table; the caller's CTA barrier publishes it to the other warps. kPrefetched: the counts
+// are already in pair_prefix (prefetch_recv_counts, then a CTA barrier).
+template <uint32_t kBlockM, bool kPrefetched = false>
 MEGAMOE_DEVICE void build_recv_table(const RecvTable& table, const SymBuffer& sym, uint32_t lane) {
     static_assert(kBlockM == 32 or kBlockM == 64 or kBlockM == 128, "BLOCK_M candidates (layout.BLOCK_M_CANDIDATES)");
     static_assert(kBlockM <= layout::kMaxBlockM, "the pool is sized for BLOCK_M <= kMaxBlockM");
@@ -54,7 +67,9 @@ MEGAMOE_DEVICE void build_recv_table(const RecvTable& table, const SymBuffer& sy
     uint32_t carry = 0;
     for (uint32_t base = 0; base < kNumRecvPairs; base += 32) {
         const uint32_t k = base + lane;
-        const uint32_t count = k < kNumRecvPairs ? ptx::ld_relaxed<ptx::Scope::kGpu>(recv_count + k) : 0u;
+        uint32_t count = 0;
+        if (k < kNumRecvPairs)
+            count = kPrefetched ? table.pair_prefix[k] : ptx::ld_relaxed<ptx::Scope::kGpu>(recv_count + k);
         const uint32_t inclusive = warp_inclusive_scan(count, lane);
         if (k < kNumRecvPairs)
             table.pair_prefix[k] = carry + inclusive - count;

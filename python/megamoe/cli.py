@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(fn=_cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks against cuBLAS / NCCL baselines (GPU)")
-    bench.add_argument("name", choices=["gemm", "comm"])
+    bench.add_argument("name", choices=["gemm", "comm", "ffn"])
     bench.add_argument("--json", default=None, help="where to write the results (default megamoe-bench-NAME.json)")
     comm = bench.add_argument_group("comm", "dispatch + combine round trip vs NCCL; one process per visible GPU")
     comm.add_argument("--tokens", default=None, help="tokens per rank, comma-separated (default 8,128,4096)")

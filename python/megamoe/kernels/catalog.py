@@ -47,6 +47,12 @@ FFN_RANDOM_CONFIGS = [
     for hidden, intermediate in FFN_SHAPES for clamp in (False, True) for fast in (False, True)
     for block_m in (32, 64, 128)
 ]
+# `megamoe bench ffn` (bench.FFN_CASES): 32 experts, H 4096, I 2048, fast math, no clamp; decode-like 24 rows per
+# expert (BLOCK_M 64) and prefill-like 1536 (BLOCK_M 128)
+FFN_BENCH_CONFIGS = [
+    expert_ffn.ExpertFfnConfig(64, 4096, 2048, 32, clamp=False, fast_math=True),
+    expert_ffn.ExpertFfnConfig(128, 4096, 2048, 32, clamp=False, fast_math=True),
+]
 
 
 def all_variants() -> list[tuple[str, object, CheckOptions]]:
@@ -56,7 +62,7 @@ def all_variants() -> list[tuple[str, object, CheckOptions]]:
         out[config.name] = (config.name, config, CheckOptions())
     for config in GEMM_EXACT_CONFIGS + GEMM_RANDOM_CONFIGS + GEMM_BENCH_CONFIGS:
         out[config.name] = (config.name, config, CheckOptions(expect_qgmma=True))
-    for config in FFN_EXACT_CONFIGS + FFN_RANDOM_CONFIGS:
+    for config in FFN_EXACT_CONFIGS + FFN_RANDOM_CONFIGS + FFN_BENCH_CONFIGS:
         out[config.name] = (config.name, config, CheckOptions(expect_qgmma=True))
     return list(out.values())
 

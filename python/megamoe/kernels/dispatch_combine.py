@@ -13,6 +13,19 @@ Kernel phases (every rank, all CTAs; barriers are common/grid_sync.cuh and commo
   7. NVLink barrier "combine"     every rank's scatter has landed, every rank has cleaned
   8. reduce                       combine/reduce.cuh: y
 The pool, its SF, weights and metadata stay in the symmetric buffer after the call (`SymmBuffer.view`).
+
+Every performance choice is a compile-time knob of DispatchCombineConfig (notes/dispatch_combine.md has the
+budget per phase); LEGACY_KNOBS reproduces the first version exactly, the field defaults are the fastest predicted:
+  pull_stages     rows in flight per pulling warp (1: the legacy loop, one row at a time; >= 2: a ring of stages)
+  pull_warps      warps per CTA that pull (12: all; the fused kernel has 2: FUSED_PULL_KNOBS)
+  combine_store   "split": two 16 B stores per lane 32 B apart (legacy); "coalesced": lane i stores bytes
+                  [16 i, 16 i + 16) of each 512 B of the row (full 128 B lines per instruction)
+  reduce          "bulk": one warp per token, 2-stage ring of 1 KB bulk loads (legacy); "ldg": units of (token,
+                  32 x reduce_vecs 16 B vectors), every valid slot's loads in flight before the adds
+  lean_sync       False: grid sync, clean, NVLink barrier with two grid syncs (legacy); True: no clean grid sync,
+                  one grid sync per NVLink barrier, every CTA waits for the signals itself, the clean folded into
+                  the combine barrier (common/nvlink_barrier.cuh: nvlink_barrier_polled)
+  table_prefetch  the receive counts loaded by the whole CTA at once, then scanned in shared memory
 """
 from __future__ import annotations
 
@@ -21,6 +34,7 @@ import functools
 import math
 import string
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +51,13 @@ if TYPE_CHECKING:
 NUM_THREADS = 384
 NUM_WARPS = NUM_THREADS // 32
 NUM_COMBINE_STAGES = 2
+COMBINE_STORES = ("split", "coalesced")
+REDUCES = ("bulk", "ldg")
+# The first version of the kernel, kept reachable for side-by-side benchmarks and tests
+LEGACY_KNOBS: dict[str, Any] = {"pull_stages": 1, "pull_warps": NUM_WARPS, "combine_store": "split",
+                                "reduce": "bulk", "lean_sync": False, "table_prefetch": False}
+# What the fused kernel will have: 2 dispatch warps per CTA, so more rows in flight per warp
+FUSED_PULL_KNOBS: dict[str, Any] = {"pull_warps": 2, "pull_stages": 4}
 DEBUG_HANG_AT_DISPATCH_BARRIER = 1  # kernel debug flag: the first NVLink barrier waits for an unreachable value
 
 
@@ -61,6 +82,12 @@ def sym_buffer_struct(buf: SymmBuffer) -> SymBufferStruct:
     return SymBufferStruct((ctypes.c_uint64 * MAX_RANKS)(*ptrs), buf.rank, buf.num_ranks)
 
 
+def pull_stage_bytes(hidden: int) -> int:
+    """dispatch/pull.cuh kPullStageBytes: the row, then (when H % 512 == 0) its SF row, 128 B aligned."""
+    sf = hidden // 128 * 4 if (hidden // 128) % 4 == 0 else 0
+    return align(align(hidden, 16) + sf, 128)
+
+
 def combine_chunk_bytes(hidden: int) -> int:
     """combine/reduce.cuh kChunkBytes: gcd(2 H, 1024) (as heuristics.smem_plan)."""
     return math.gcd(2 * hidden, 1024)
@@ -68,36 +95,88 @@ def combine_chunk_bytes(hidden: int) -> int:
 
 @dataclass(frozen=True)
 class DispatchCombineConfig:
-    """One variant of the unit kernel: the buffer's layout, the pool padding BLOCK_M, the pull path."""
+    """One variant of the unit kernel: the buffer's layout, the pool padding BLOCK_M, the pull path, and the
+    performance knobs (module docstring; LEGACY_KNOBS is the first version)."""
 
     layout: SymmLayout
     block_m: int
     bulk_pull: bool = True  # False: the row is copied with 16 B loads/stores instead of 1D cp.async.bulk
+    pull_stages: int = 2
+    pull_warps: int = NUM_WARPS
+    combine_store: str = "coalesced"
+    reduce: str = "ldg"
+    reduce_vecs: int = 2
+    lean_sync: bool = True
+    table_prefetch: bool = True
 
     def __post_init__(self) -> None:
         if self.block_m not in BLOCK_M_CANDIDATES:
             raise ValueError(f"block_m must be one of {BLOCK_M_CANDIDATES}, got {self.block_m!r}")
+        if not 1 <= self.pull_stages <= 8:
+            raise ValueError(f"pull_stages must be in [1, 8], got {self.pull_stages!r}")
+        if not 1 <= self.pull_warps <= NUM_WARPS:
+            raise ValueError(f"pull_warps must be in [1, {NUM_WARPS}], got {self.pull_warps!r}")
+        if self.combine_store not in COMBINE_STORES:
+            raise ValueError(f"combine_store must be one of {COMBINE_STORES}, got {self.combine_store!r}")
+        if self.reduce not in REDUCES:
+            raise ValueError(f"reduce must be one of {REDUCES}, got {self.reduce!r}")
+        if not 1 <= self.reduce_vecs <= 4:
+            raise ValueError(f"reduce_vecs must be in [1, 4], got {self.reduce_vecs!r}")
         if self.smem_bytes > SMEM_CAPACITY_BYTES:
             raise ValueError(f"hidden={self.layout.hidden}: the unit kernel needs {self.smem_bytes} B of shared "
-                             f"memory, more than {SMEM_CAPACITY_BYTES} B (use bulk_pull=False)")
+                             f"memory, more than {SMEM_CAPACITY_BYTES} B (fewer pull_stages or pull_warps, or "
+                             f"bulk_pull=False)")
+
+    @property
+    def pipelined_pull(self) -> bool:
+        """The pull runs dispatch/pull.cuh: pull_rows_pipelined (else the legacy pull_rows)."""
+        return self.bulk_pull and (self.pull_stages > 1 or self.pull_warps != NUM_WARPS)
+
+    @property
+    def knobs(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ("pull_stages", "pull_warps", "combine_store", "reduce",
+                                                       "reduce_vecs", "lean_sync", "table_prefetch")}
+
+    @property
+    def is_legacy(self) -> bool:
+        return all(getattr(self, k) == v for k, v in LEGACY_KNOBS.items())
+
+    @property
+    def knob_tag(self) -> str:
+        """Part of the kernel name: empty for the legacy knobs (the first version's name)."""
+        if self.is_legacy:
+            return ""
+        return (f"_p{self.pull_warps}x{self.pull_stages}_{self.combine_store[:2]}"
+                f"_{self.reduce}{self.reduce_vecs if self.reduce == 'ldg' else ''}"
+                f"{'_lean' if self.lean_sync else ''}{'_tp' if self.table_prefetch else ''}")
 
     @property
     def name(self) -> str:
         lay = self.layout
         return (f"megamoe_dispatch_combine_r{lay.num_ranks}_e{lay.num_experts}_t{lay.num_max_tokens_per_rank}"
                 f"_k{lay.num_topk}_h{lay.hidden}_i{lay.intermediate}_bm{self.block_m}"
-                f"_{'bulk' if self.bulk_pull else 'ldst'}")
+                f"_{'bulk' if self.bulk_pull else 'ldst'}{self.knob_tag}")
 
     @property
     def smem_regions(self) -> dict[str, tuple[int, int]]:
-        """{name: (offset, bytes)}: pull rows, combine chunks, expert counts, receive table, mbarriers."""
+        """{name: (offset, bytes)}: pull rows/stages, combine chunks, expert counts, receive table, mbarriers."""
         lay = self.layout
+        if not self.bulk_pull:
+            pull, pull_barriers = 0, 0
+        elif self.pipelined_pull:
+            pull = self.pull_warps * self.pull_stages * pull_stage_bytes(lay.hidden)
+            pull_barriers = self.pull_warps * self.pull_stages
+        else:
+            pull, pull_barriers = NUM_WARPS * align(lay.hidden, 128), NUM_WARPS
+        bulk_reduce = self.reduce == "bulk"
         sizes = (
-            ("pull", NUM_WARPS * align(lay.hidden, 128) if self.bulk_pull else 0),
-            ("combine", NUM_WARPS * NUM_COMBINE_STAGES * combine_chunk_bytes(lay.hidden)),
+            ("pull", pull),
+            ("combine", NUM_WARPS * NUM_COMBINE_STAGES * combine_chunk_bytes(lay.hidden) if bulk_reduce else 0),
             ("expert_count", align(lay.num_experts * 4, 16)),
             ("recv_table", align((lay.num_local_experts * lay.num_ranks + 1 + lay.num_local_experts + 1) * 4, 16)),
-            ("barriers", NUM_WARPS * (1 + NUM_COMBINE_STAGES) * 8),
+            # legacy: one pull barrier per warp (also without bulk_pull) then the combine rings', as before
+            ("barriers", ((NUM_WARPS if not self.pipelined_pull else pull_barriers)
+                          + (NUM_WARPS * NUM_COMBINE_STAGES if bulk_reduce else 0)) * 8),
         )
         regions, offset = {}, 0
         for name, num_bytes in sizes:
@@ -138,20 +217,70 @@ constexpr uint32_t kNumThreads = ${num_threads};
 constexpr uint32_t kNumWarps = kNumThreads / 32;
 constexpr uint32_t kBlockM = ${block_m};
 constexpr bool kBulkPull = ${bulk_pull};
+// Knobs (megamoe/kernels/dispatch_combine.py: DispatchCombineConfig)
+constexpr bool kPipelinedPull = ${pipelined_pull};
+constexpr uint32_t kPullStages = ${pull_stages};
+constexpr uint32_t kPullWarps = ${pull_warps};
+constexpr bool kCoalescedCombineStore = ${coalesced_store};
+constexpr bool kBulkReduce = ${bulk_reduce};
+constexpr uint32_t kReduceVecs = ${reduce_vecs};
+constexpr bool kLeanSync = ${lean_sync};
+constexpr bool kTablePrefetch = ${table_prefetch};
 constexpr uint32_t kDebugHangAtDispatchBarrier = ${debug_hang_flag};
 constexpr uint32_t kSmemPullOffset = ${pull_offset};
 constexpr uint32_t kSmemCombineOffset = ${combine_offset};
 constexpr uint32_t kSmemExpertCountOffset = ${expert_count_offset};
 constexpr uint32_t kSmemRecvTableOffset = ${recv_table_offset};
 constexpr uint32_t kSmemBarrierOffset = ${barrier_offset};
+// Pull barriers first: kPullWarps x kPullStages (pipelined) or one per warp; then the combine rings' (kBulkReduce)
+constexpr uint32_t kNumPullBarriers = kPipelinedPull ? kPullWarps * kPullStages : kNumWarps;
 static_assert(kNumThreads % 32 == 0 and kNumThreads <= 384, "whole warps, at most 384 threads");
+static_assert(kPullWarps >= 1 and kPullWarps <= kNumWarps, "pulling warps");
+static_assert(not kPipelinedPull or kBulkPull, "the pipelined pull is a bulk pull");
 static_assert(not kBulkPull or kSmemPullOffset % 16 == 0, "1D bulk copy destinations 16 B aligned");
 static_assert(kSmemCombineOffset % 16 == 0 and kSmemBarrierOffset % 8 == 0, "alignment of the smem regions");
 static_assert(combine::kChunkBytes == ${chunk_bytes}, "Python and C++ agree on the combine chunk");
 static_assert(dispatch::kPullRowBytes % 16 == 0, "pull rows keep 16 B alignment");
+static_assert(dispatch::kPullStageBytes == ${pull_stage_bytes}, "Python and C++ agree on the pull stage");
+
+// Wait for every row of the pool block holding `loc` (as a GEMM consumer does)
+__device__ __forceinline__ void wait_pool_block(const DeviceEnv& env, const SymBuffer& sym,
+                                                const dispatch::RecvTable& table, const dispatch::RowLocation& loc,
+                                                uint32_t lane) {
+    const uint32_t pool_block = loc.pool_row / kBlockM;
+    const uint32_t num_block_rows = dispatch::num_rows_in_block<kBlockM>(table, loc);
+    // NOTES: lane 0's ld.acquire.gpu pairs with the pullers' red.release.gpu (pull.cuh: release_row /
+    // release_pipelined_row); __syncwarp extends the acquire to the other lanes before their plain loads of the pool.
+    if (lane == 0) {
+        const uint32_t* arrival = dispatch::l1_arrival_count(sym) + pool_block;
+        bounded_wait(
+            secondary_env(env), "l1_arrival",
+            [&]() { return ptx::ld_acquire<ptx::Scope::kGpu>(arrival) >= num_block_rows; },
+            [&]() { return make_longlong3(ptx::ld_relaxed<ptx::Scope::kGpu>(arrival), num_block_rows, pool_block); });
+    }
+    __syncwarp();
+}
+
+// out = bf16((fp32(fp8) * sf) * weight), 8 codes (two u32 words) -> 8 BF16 (four u32 words)
+__device__ __forceinline__ void dequant_8(const uint32_t (&words)[2], float sf, float weight, uint32_t (&packed)[4]) {
+#pragma unroll
+    for (uint32_t i = 0; i < 4; ++ i) {
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+            static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i % 2))), __NV_E4M3);
+        const float2 f = __half22float2(__half2(h));
+        const __nv_bfloat162 b = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(f.x, sf), weight),
+                                                       __fmul_rn(__fmul_rn(f.y, sf), weight));
+        packed[i] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+}
 
 // The trivial expert: out = bf16((fp32(x) * sf) * weight) for every element of the pulled row, written to the
 // source rank's combine row (slot, token). Global warp `warp_rank` takes received rows like the pull does.
+// Split stores (legacy): lane l converts 16 codes per step, two 16 B stores at bytes 32 c and 32 c + 16 (each
+// store instruction half-fills 32 sectors). Coalesced: lane l converts the 8 codes at 256 it + 8 l and stores
+// bytes [512 it + 16 l, +16) (each instruction fills 4 whole 128 B lines); kExpertBatch steps' loads are issued
+// before their stores.
+constexpr uint32_t kExpertBatch = 8;
 __device__ __forceinline__ void trivial_expert(const DeviceEnv& env, const SymBuffer& sym,
                                                const dispatch::RecvTable& table, uint32_t warp_rank,
                                                uint32_t num_warps) {
@@ -159,43 +288,50 @@ __device__ __forceinline__ void trivial_expert(const DeviceEnv& env, const SymBu
     const uint32_t num_rows = table.num_rows();
     for (uint32_t g = warp_rank; g < num_rows; g += num_warps) {
         const dispatch::RowLocation loc = dispatch::locate(table, g);
-        const uint32_t pool_block = loc.pool_row / kBlockM;
-        const uint32_t num_block_rows = dispatch::num_rows_in_block<kBlockM>(table, loc);
-
-        // Wait for every row of the pool block (as a GEMM consumer does)
-        // NOTES: lane 0's ld.acquire.gpu pairs with the pullers' red.release.gpu (pull.cuh: release_row);
-        // __syncwarp extends the acquire to the other lanes before their plain loads of the pool.
-        if (lane == 0) {
-            const uint32_t* arrival = dispatch::l1_arrival_count(sym) + pool_block;
-            bounded_wait(
-                secondary_env(env), "l1_arrival",
-                [&]() { return ptx::ld_acquire<ptx::Scope::kGpu>(arrival) >= num_block_rows; },
-                [&]() {
-                    return make_longlong3(ptx::ld_relaxed<ptx::Scope::kGpu>(arrival), num_block_rows, pool_block);
-                });
-        }
-        __syncwarp();
+        wait_pool_block(env, sym, table, loc, lane);
 
         const uint4 meta = *dispatch::pool_src_metadata(sym, loc.pool_row);
         const float weight = *dispatch::pool_topk_weight(sym, loc.pool_row);
         const uint8_t* row = dispatch::pool_row(sym, loc.pool_row);
         __nv_bfloat16* dst = combine::combine_row(sym, meta.x, meta.y, meta.z);
-        for (uint32_t c = lane; c < layout::kHidden / 16; c += 32) {
-            const uint4 q = reinterpret_cast<const uint4*>(row)[c];
-            const float sf = *dispatch::pool_sf(sym, c / 8, loc.pool_row);
-            const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-            uint32_t packed[8];
+        if constexpr (kCoalescedCombineStore) {
+            constexpr uint32_t kSteps = (layout::kHidden + 255) / 256;
+#pragma unroll 1
+            for (uint32_t base = 0; base < kSteps; base += kExpertBatch) {
+                uint2 q[kExpertBatch];
+                float sf[kExpertBatch];
 #pragma unroll
-            for (uint32_t i = 0; i < 8; ++ i) {
-                const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
-                    static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i % 2))), __NV_E4M3);
-                const float2 f = __half22float2(__half2(h));
-                const __nv_bfloat162 b = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(f.x, sf), weight),
-                                                               __fmul_rn(__fmul_rn(f.y, sf), weight));
-                packed[i] = *reinterpret_cast<const uint32_t*>(&b);
+                for (uint32_t j = 0; j < kExpertBatch; ++ j) {
+                    const uint32_t col = (base + j) * 256 + lane * 8;
+                    q[j] = make_uint2(0u, 0u);
+                    sf[j] = 0.0f;
+                    if (base + j < kSteps and col < layout::kHidden) {
+                        q[j] = *reinterpret_cast<const uint2*>(row + col);
+                        sf[j] = *dispatch::pool_sf(sym, col / 128, loc.pool_row);
+                    }
+                }
+#pragma unroll
+                for (uint32_t j = 0; j < kExpertBatch; ++ j) {
+                    const uint32_t col = (base + j) * 256 + lane * 8;
+                    if (base + j < kSteps and col < layout::kHidden) {
+                        const uint32_t words[2] = {q[j].x, q[j].y};
+                        uint32_t packed[4];
+                        dequant_8(words, sf[j], weight, packed);
+                        combine::store_combine_chunk(dst, col, make_uint4(packed[0], packed[1], packed[2], packed[3]));
+                    }
+                }
             }
-            combine::store_combine_chunk(dst, c * 16, make_uint4(packed[0], packed[1], packed[2], packed[3]));
-            combine::store_combine_chunk(dst, c * 16 + 8, make_uint4(packed[4], packed[5], packed[6], packed[7]));
+        } else {
+            for (uint32_t c = lane; c < layout::kHidden / 16; c += 32) {
+                const uint4 q = reinterpret_cast<const uint4*>(row)[c];
+                const float sf = *dispatch::pool_sf(sym, c / 8, loc.pool_row);
+                const uint32_t lo[2] = {q.x, q.y}, hi[2] = {q.z, q.w};
+                uint32_t a[4], b[4];
+                dequant_8(lo, sf, weight, a);
+                dequant_8(hi, sf, weight, b);
+                combine::store_combine_chunk(dst, c * 16, make_uint4(a[0], a[1], a[2], a[3]));
+                combine::store_combine_chunk(dst, c * 16 + 8, make_uint4(b[0], b[1], b[2], b[3]));
+            }
         }
         combine::finish_combine_stores();
     }
@@ -212,55 +348,100 @@ ${name}(const __grid_constant__ megamoe::SymBuffer sym, uint32_t num_tokens, __n
     const uint32_t warp = warp_idx(), lane = lane_idx(), thread_idx = threadIdx.x;
     const uint32_t cta_idx = blockIdx.x, num_ctas = gridDim.x;
     const uint32_t warp_rank = cta_idx * kNumWarps + warp, num_warps = num_ctas * kNumWarps;
+    const bool is_pull_warp = warp < kPullWarps;
+    const uint32_t pull_warp_rank = cta_idx * kPullWarps + warp, num_pull_warps = num_ctas * kPullWarps;
 
     auto* expert_count = reinterpret_cast<uint32_t*>(smem + kSmemExpertCountOffset);
     const dispatch::RecvTable table =
         dispatch::make_recv_table(reinterpret_cast<uint32_t*>(smem + kSmemRecvTableOffset));
     auto* barriers = reinterpret_cast<uint64_t*>(smem + kSmemBarrierOffset);
-    uint64_t* pull_barrier = barriers + warp;
+    // Pipelined: this warp's kPullStages barriers and stages (pulling warps only); legacy: one barrier and row
+    uint64_t* pull_barriers = barriers + (kPipelinedPull ? warp * kPullStages : warp);
     combine::ReduceRing ring{smem + kSmemCombineOffset + warp * combine::kSmemBytesPerWarp,
-                             barriers + kNumWarps + warp * combine::kNumStages};
+                             barriers + kNumPullBarriers + warp * combine::kNumStages};
 
     // Init this warp's mbarriers, visible to the async proxy before the first bulk copy
     if (lane == 0) {
-        ptx::mbarrier_init(pull_barrier, 1);
-        for (uint32_t s = 0; s < combine::kNumStages; ++ s)
-            ptx::mbarrier_init(ring.barriers + s, 1);
+        if constexpr (kPipelinedPull) {
+            if (is_pull_warp)
+                for (uint32_t s = 0; s < kPullStages; ++ s)
+                    ptx::mbarrier_init(pull_barriers + s, 1);
+        } else {
+            ptx::mbarrier_init(pull_barriers, 1);
+        }
+        if constexpr (kBulkReduce)
+            for (uint32_t s = 0; s < combine::kNumStages; ++ s)
+                ptx::mbarrier_init(ring.barriers + s, 1);
         ptx::fence_mbarrier_init();
     }
-    __syncthreads();
 
     const auto sync_cta = []() { __syncthreads(); };
     uint32_t* header = sym.local<uint32_t>(layout::kWorkspaceHeaderOffset);
     const BarrierWords words{header + layout::kGridSyncCounterIdx, header + layout::kNvlBarrierCounterIdx,
                              header + layout::kNvlBarrierSignalIdx};
+    // NOTES: kLeanSync: every thread reads the NVLink barrier counter here, before its CTA's first grid-sync
+    // arrival; CTA 0 moves it only after that grid sync (nvlink_barrier_polled), and earlier calls' moves are
+    // ordered by the kernel boundary.
+    const uint32_t nvl_ordinal = kLeanSync ? *words.nvl_counter : 0u;
+    __syncthreads();
 
     // Dispatch: count, reserve slots, write the source indices and counts to the destination ranks
     dispatch::count_and_notify<kNumThreads>(sym, num_tokens, expert_count, cta_idx, num_ctas, thread_idx, sync_cta);
-    nvlink_barrier(env, BarrierTags{"gs0_dispatch", "nvl_dispatch", "gs1_dispatch"}, sym, words, cta_idx, num_ctas,
-                   thread_idx, sync_cta, true, (debug_flags & kDebugHangAtDispatchBarrier) != 0);
+    const bool hang = (debug_flags & kDebugHangAtDispatchBarrier) != 0;
+    if constexpr (kLeanSync) {
+        nvlink_barrier_polled(env, BarrierTags{"gs0_dispatch", "nvl_dispatch", ""}, sym, words, nvl_ordinal, cta_idx,
+                              num_ctas, thread_idx, sync_cta, []() {}, []() {}, hang);
+    } else {
+        nvlink_barrier(env, BarrierTags{"gs0_dispatch", "nvl_dispatch", "gs1_dispatch"}, sym, words, cta_idx,
+                       num_ctas, thread_idx, sync_cta, true, hang);
+    }
 
     // Receive table (every CTA), recv stats (CTA 0)
+    if constexpr (kTablePrefetch) {
+        dispatch::prefetch_recv_counts<kNumThreads>(table, sym, thread_idx);
+        __syncthreads();
+    }
     if (warp == 0)
-        dispatch::build_recv_table<kBlockM>(table, sym, lane);
+        dispatch::build_recv_table<kBlockM, kTablePrefetch>(table, sym, lane);
     __syncthreads();
     if (cta_idx == 0)
         dispatch::add_recv_stats<kNumThreads>(table, recv_stats, thread_idx);
 
     // Pull the received rows into the pool, then run the expert on them
-    uint32_t pull_phase = 0;
-    dispatch::pull_rows<kBlockM, kBulkPull>(env, sym, table, smem + kSmemPullOffset + warp * dispatch::kPullRowBytes,
-                                            pull_barrier, pull_phase, warp_rank, num_warps);
+    if (is_pull_warp) {
+        if constexpr (kPipelinedPull) {
+            dispatch::pull_rows_pipelined<kBlockM, kPullStages>(
+                env, sym, table, smem + kSmemPullOffset + warp * kPullStages * dispatch::kPullStageBytes,
+                pull_barriers, pull_warp_rank, num_pull_warps);
+        } else {
+            uint32_t pull_phase = 0;
+            dispatch::pull_rows<kBlockM, kBulkPull>(env, sym, table,
+                                                    smem + kSmemPullOffset + warp * dispatch::kPullRowBytes,
+                                                    pull_barriers, pull_phase, pull_warp_rank, num_pull_warps);
+        }
+    }
     trivial_expert(env, sym, table, warp_rank, num_warps);
 
-    // Clean the counters once nobody here reads them, then meet the peers: their rows have landed here
-    grid_sync(env, "gs_clean", words.grid_counter, cta_idx, num_ctas, thread_idx == 0, sync_cta);
-    combine::clean_workspace<kNumThreads>(sym, cta_idx, num_ctas, thread_idx);
-    nvlink_barrier(env, BarrierTags{"gs0_combine", "nvl_combine", "gs1_combine"}, sym, words, cta_idx, num_ctas,
-                   thread_idx, sync_cta, true);
+    if constexpr (kLeanSync) {
+        // One grid sync: CTA 0 zeroes the receive counts before it signals, every CTA the local counters while it
+        // waits (combine/clean.cuh: clean_recv_counts, clean_local_counters)
+        nvlink_barrier_polled(
+            env, BarrierTags{"gs0_combine", "nvl_combine", ""}, sym, words, nvl_ordinal + 1u, cta_idx, num_ctas,
+            thread_idx, sync_cta, [&]() { combine::clean_recv_counts<kNumThreads>(sym, thread_idx); },
+            [&]() { combine::clean_local_counters<kNumThreads>(sym, cta_idx, num_ctas, thread_idx); });
+    } else {
+        // Clean the counters once nobody here reads them, then meet the peers: their rows have landed here
+        grid_sync(env, "gs_clean", words.grid_counter, cta_idx, num_ctas, thread_idx == 0, sync_cta);
+        combine::clean_workspace<kNumThreads>(sym, cta_idx, num_ctas, thread_idx);
+        nvlink_barrier(env, BarrierTags{"gs0_combine", "nvl_combine", "gs1_combine"}, sym, words, cta_idx, num_ctas,
+                       thread_idx, sync_cta, true);
+    }
 
     // Top-k reduce into y
-    combine::reduce_tokens(env, sym, num_tokens, y, ring, warp_rank, num_warps);
+    if constexpr (kBulkReduce)
+        combine::reduce_tokens(env, sym, num_tokens, y, ring, warp_rank, num_warps);
+    else
+        combine::reduce_token_chunks<kReduceVecs>(sym, num_tokens, y, warp_rank, num_warps);
 }
 """)
 
@@ -274,6 +455,15 @@ def source(config: DispatchCombineConfig) -> str:
         num_threads=NUM_THREADS,
         block_m=config.block_m,
         bulk_pull="true" if config.bulk_pull else "false",
+        pipelined_pull="true" if config.pipelined_pull else "false",
+        pull_stages=config.pull_stages,
+        pull_warps=config.pull_warps,
+        coalesced_store="true" if config.combine_store == "coalesced" else "false",
+        bulk_reduce="true" if config.reduce == "bulk" else "false",
+        reduce_vecs=config.reduce_vecs,
+        lean_sync="true" if config.lean_sync else "false",
+        table_prefetch="true" if config.table_prefetch else "false",
+        pull_stage_bytes=pull_stage_bytes(config.layout.hidden),
         debug_hang_flag=DEBUG_HANG_AT_DISPATCH_BARRIER,
         pull_offset=regions["pull"][0],
         combine_offset=regions["combine"][0],
@@ -295,9 +485,12 @@ def _kernel(config: DispatchCombineConfig) -> Any:
     return runtime.load(compile_kernel(config), NUM_THREADS)
 
 
-def config_for(buf: SymmBuffer, block_m: int | None = None, bulk_pull: bool = True) -> DispatchCombineConfig:
-    """The unit kernel variant for `buf` (BLOCK_M from the buffer's shared config unless given)."""
-    return DispatchCombineConfig(buf.layout, buf.config().block_m if block_m is None else block_m, bulk_pull)
+def config_for(buf: SymmBuffer, block_m: int | None = None, bulk_pull: bool = True,
+               knobs: Mapping[str, Any] | None = None) -> DispatchCombineConfig:
+    """The unit kernel variant for `buf` (BLOCK_M from the buffer's shared config unless given; knobs: fields of
+    DispatchCombineConfig, e.g. LEGACY_KNOBS; the field defaults otherwise)."""
+    return DispatchCombineConfig(buf.layout, buf.config().block_m if block_m is None else block_m, bulk_pull,
+                                 **dict(knobs or {}))
 
 
 def _check_tensor(name: str, t: Any, dtype: Any, shape: tuple[int, ...], device: Any) -> None:
@@ -323,11 +516,12 @@ def check_routing(buf: SymmBuffer, num_tokens: int) -> None:
 
 
 def run(buf: SymmBuffer, num_tokens: int, y: torch.Tensor, *, block_m: int | None = None,
-        recv_stats: torch.Tensor | None = None, bulk_pull: bool = True, check_inputs: bool = True,
+        recv_stats: torch.Tensor | None = None, bulk_pull: bool = True, knobs: Mapping[str, Any] | None = None,
+        check_inputs: bool = True,
         debug_skip_launch: bool = False, debug_hang: bool = False, timeout_s: float | None = None,
         stream: torch.cuda.Stream | None = None) -> DispatchCombineConfig:
     """Launch the unit kernel for this rank's first `num_tokens` tokens in `buf` (collective over buf.group:
-    every rank launches, in the same order, with the same block_m and bulk_pull). y: BF16 [num_tokens, H].
+    every rank launches, in the same order, with the same block_m, bulk_pull and knobs). y: BF16 [num_tokens, H].
     recv_stats: optional int32 [E_local], += rows received per local expert.
     debug_skip_launch: this rank does not launch (its peers must time out); debug_hang: the dispatch barrier
     waits for an unreachable value (a timeout on one GPU). timeout_s overrides MEGAMOE_TIMEOUT_S."""
@@ -342,7 +536,7 @@ def run(buf: SymmBuffer, num_tokens: int, y: torch.Tensor, *, block_m: int | Non
         _check_tensor("recv_stats", recv_stats, torch.int32, (layout.num_local_experts,), buf.device)
     if check_inputs:
         check_routing(buf, num_tokens)
-    config = config_for(buf, block_m, bulk_pull)
+    config = config_for(buf, block_m, bulk_pull, knobs)
     kernel = _kernel(config)
     if debug_skip_launch:
         return config
@@ -516,7 +710,8 @@ def workspace_errors(buf: SymmBuffer, num_calls: int) -> list[str]:
 
 
 def bench_round_trip(buf: SymmBuffer, num_tokens: int, *, block_m: int | None = None, bulk_pull: bool = True,
-                     num_warmup: int = 10, num_iters: int = 100) -> dict[str, float]:
+                     knobs: Mapping[str, Any] | None = None, num_warmup: int = 10,
+                     num_iters: int = 100) -> dict[str, float]:
     """Time dispatch -> trivial expert -> combine (collective: every rank calls it with the same arguments).
     The calls run back to back, each between its own CUDA events, enqueued behind a sleep kernel long enough for
     the host to enqueue them all (megamoe.bench.time_queued_us): GPU time, not Python launch overhead.
@@ -525,21 +720,23 @@ def bench_round_trip(buf: SymmBuffer, num_tokens: int, *, block_m: int | None = 
     from megamoe.bench import time_queued_us
 
     y = torch.empty(num_tokens, buf.hidden, dtype=torch.bfloat16, device=buf.device)
-    config = config_for(buf, block_m, bulk_pull)
+    config = config_for(buf, block_m, bulk_pull, knobs)
     with torch.cuda.device(buf.device):
         stats = time_queued_us(
-            lambda: run(buf, num_tokens, y, block_m=config.block_m, bulk_pull=bulk_pull, check_inputs=False),
+            lambda: run(buf, num_tokens, y, block_m=config.block_m, bulk_pull=bulk_pull, knobs=knobs,
+                        check_inputs=False),
             warmup=num_warmup, iters=num_iters)
     return dict(stats, us_per_call=stats["mean_us"], block_m=float(config.block_m))
 
 
-def checked_call(buf: SymmBuffer, inputs: list, block_m: int, bulk: bool = True) -> list[str]:
+def checked_call(buf: SymmBuffer, inputs: list, block_m: int, bulk: bool = True,
+                 knobs: Mapping[str, Any] | None = None) -> list[str]:
     """Load this rank's inputs, poison, run one call, check it exactly (recv_stats zeroed: this call's counts).
     Returns the mismatches found (empty when the call is right)."""
     num_tokens = load_inputs(buf, inputs[buf.rank])
     y = torch.empty(num_tokens, buf.hidden, dtype=torch.bfloat16, device=buf.device)
     stats = torch.zeros(buf.layout.num_local_experts, dtype=torch.int32, device=buf.device)
     poison(buf, y)
-    run(buf, num_tokens, y, block_m=block_m, recv_stats=stats, bulk_pull=bulk)
+    run(buf, num_tokens, y, block_m=block_m, recv_stats=stats, bulk_pull=bulk, knobs=knobs)
     torch.cuda.synchronize()
     return call_errors(buf, inputs, y, stats, block_m)
