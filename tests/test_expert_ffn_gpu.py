@@ -4,8 +4,8 @@ epilogue (BF16 staging, valid rows out), one persistent launch whose L2 producer
 
 Every run: fresh random inputs (seed printed), outputs poisoned (NaN), pool padding rows NaN on input; padding rows
 of used pool blocks must come out as exact zeros, spare pool blocks and the outputs' padding rows untouched, every
-counter at 2I/128. Measured values are printed: run with -s. Thresholds marked PROVISIONAL await the H200
-measurement (set them from the printed values, with the measurement, as tests/test_gemm_gpu.py does)."""
+counter at 2I/128. Measured values are printed: run with -s. Thresholds are set from the H200 measurements
+written beside them."""
 from __future__ import annotations
 
 import random
@@ -34,14 +34,18 @@ def _seed() -> int:
 # the GEMM test's bound (one BF16 step + EXCESS_FLOOR x the expert's RMS) against block_scaled_matmul of the
 # kernel's own activations and SFs, and their mismatches counted (GEMM L2 mode on random data: 4.2-4.3% flips).
 # ---------------------------------------------------------------------------------------------------------------
+# Measured on the H200, 2026-11-29, 8 small-integer variants: L1 accumulators bit-exact; codes off 0; code excess
+# 0 (exact) / 7.7e-21 amax (fast); SF mismatches 0; L2 outputs vs the kernel's own recomputation differ in
+# <= 2.42% (excess <= 3.4e-4 RMS); per-slot rel-L2 vs the reference <= 4.4e-4. The ulp-level bounds below stay
+# at the derivation above (they cannot be "measured down" to 0 without encoding one run's luck).
 EXACT_L1_ACC_MISMATCHES = 0
 EXACT_MAX_CODE_STEPS = 1
-EXACT_CODE_EXCESS = {False: 2.0**-18, True: 2.0**-13}      # PROVISIONAL, by fast_math, in units of the row amax
-EXACT_FLIP_FRACTION = {False: 1e-3, True: 1e-2}            # PROVISIONAL
-EXACT_SF_REL_ERR = {False: 2.0**-20, True: 2.0**-13}       # PROVISIONAL
+EXACT_CODE_EXCESS = {False: 2.0**-18, True: 2.0**-13}      # by fast_math, in units of the row amax
+EXACT_FLIP_FRACTION = {False: 1e-3, True: 1e-2}
+EXACT_SF_REL_ERR = {False: 2.0**-20, True: 2.0**-13}
 OUT_EXCESS_FLOOR = 2.0**-9                                 # as tests/test_gemm_gpu.py (H200-measured there)
-OUT_MISMATCH_FRACTION = 0.10                               # PROVISIONAL (GEMM L2 mode: 4.3% on random data)
-EXACT_OUT_REL_L2 = 1e-2                                    # PROVISIONAL
+OUT_MISMATCH_FRACTION = 0.10                               # measured <= 6.1% (random tier), 2.4% (exact tier)
+EXACT_OUT_REL_L2 = 2e-3                                    # measured <= 4.4e-4
 
 # ---------------------------------------------------------------------------------------------------------------
 # Check 1: random inputs against the reference's intermediates. The L1 accumulators carry the tensor cores'
@@ -52,11 +56,15 @@ EXACT_OUT_REL_L2 = 1e-2                                    # PROVISIONAL
 # beyond the rounding of the reference's unrounded value (a layout or scale bug gives ~0.1-1 amax), and the
 # step histogram is reported.
 # ---------------------------------------------------------------------------------------------------------------
-RANDOM_CODE_EXCESS = 4e-3            # PROVISIONAL, in units of the row amax
-RANDOM_ONE_STEP_FRACTION = 0.05      # PROVISIONAL (expected ~1-2%)
-RANDOM_MULTI_STEP_FRACTION = 5e-3    # PROVISIONAL (issue expected 0; the emulation gives ~0.2%)
-RANDOM_SF_REL_ERR = 5e-3             # PROVISIONAL
-RANDOM_OUT_REL_L2 = 1.5e-2           # PROVISIONAL (per slot, vs the reference's BF16 output)
+# Measured on the H200, 2026-11-29, 24 random variants (BLOCK_M 32/64/128 x clamp x fast math x 4096x2048 and
+# 7168x3072): code excess <= 9.7e-4 amax; codes one step off <= 1.11% (DESIGN's cuBLAS emulation: 1.2%), two or
+# more <= 0.113% (all small values, where FP8 steps are finer than the accumulation error); SF rel err <= 1.04e-3;
+# per-slot BF16 rel-L2 <= 8.4e-3. Thresholds ~2x the measurement.
+RANDOM_CODE_EXCESS = 2e-3            # in units of the row amax
+RANDOM_ONE_STEP_FRACTION = 0.025
+RANDOM_MULTI_STEP_FRACTION = 2.5e-3
+RANDOM_SF_REL_ERR = 2.5e-3
+RANDOM_OUT_REL_L2 = 1.5e-2           # per slot, vs the reference's BF16 output
 
 
 def check_common(report: ef.FfnReport) -> None:
