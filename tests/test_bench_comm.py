@@ -13,10 +13,10 @@ torch = pytest.importorskip("torch")
 
 from rich.console import Console  # noqa: E402
 
-from megamoe import bench, cli, heuristics  # noqa: E402
+from megamoe import bench, bench_comm, cli, heuristics  # noqa: E402
 from megamoe.layout import SymmLayout  # noqa: E402
 
-H4096, H7168 = bench.COMM_SHAPES
+H4096, H7168 = bench_comm.COMM_SHAPES
 
 
 def _bench_args(argv: list[str]):
@@ -81,15 +81,15 @@ def test_cli_rejects_unknown_bench() -> None:
                                          (5, "do not divide"), (9, "at most 8")])
 def test_rank_count_errors(count: int, match: str) -> None:
     with pytest.raises(SystemExit, match=match):
-        bench.comm_num_ranks(count)
+        bench_comm.comm_num_ranks(count)
 
 
 def test_rank_count_from_devices(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert [bench.comm_num_ranks(n) for n in (2, 4, 8)] == [2, 4, 8]
+    assert [bench_comm.comm_num_ranks(n) for n in (2, 4, 8)] == [2, 4, 8]
     # bench_comm takes every visible GPU and refuses fewer than two before it spawns anything
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(SystemExit, match="at least 2 GPUs"):
-        bench.bench_comm()
+        bench_comm.bench_comm()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -98,42 +98,42 @@ def test_rank_count_from_devices(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_row_bytes() -> None:
-    assert bench.dispatch_row_bytes(4096) == 4096 + 32 * 4 + 4 == 4228
-    assert bench.dispatch_row_bytes(7168) == 7168 + 56 * 4 + 4 == 7396
-    assert bench.combine_row_bytes(4096) == 8192 and bench.combine_row_bytes(7168) == 14336
+    assert bench_comm.dispatch_row_bytes(4096) == 4096 + 32 * 4 + 4 == 4228
+    assert bench_comm.dispatch_row_bytes(7168) == 7168 + 56 * 4 + 4 == 7396
+    assert bench_comm.combine_row_bytes(4096) == 8192 and bench_comm.combine_row_bytes(7168) == 14336
 
 
 def test_count_remote_rows() -> None:
     # 4 local experts per rank; rank 1 owns experts 4..7
     idx = torch.tensor([[0, 4, 5], [7, -1, 3], [-1, -1, -1], [6, 8, 11]])
-    assert bench.count_remote_rows(idx, 1, 4) == 4  # 0, 3, 8, 11
-    assert bench.count_remote_rows(idx, 0, 4) == 6  # 4, 5, 7, 6, 8, 11
-    assert bench.count_remote_rows(torch.empty(0, 6, dtype=torch.int64), 0, 4) == 0
+    assert bench_comm.count_remote_rows(idx, 1, 4) == 4  # 0, 3, 8, 11
+    assert bench_comm.count_remote_rows(idx, 0, 4) == 6  # 4, 5, 7, 6, 8, 11
+    assert bench_comm.count_remote_rows(torch.empty(0, 6, dtype=torch.int64), 0, 4) == 0
 
 
 def test_remote_bytes_and_gbps() -> None:
     # 128 tokens per rank, H = 7168, topk 8, 2 ranks, uniform: half the slots are remote
-    rows = bench.expected_remote_rows(128, 8, 2)
+    rows = bench_comm.expected_remote_rows(128, 8, 2)
     assert rows == 512
-    dispatch, combine = bench.remote_bytes_per_direction(2 * rows, 2, 7168)  # summed over both ranks
+    dispatch, combine = bench_comm.remote_bytes_per_direction(2 * rows, 2, 7168)  # summed over both ranks
     assert dispatch == 512 * 7396 and combine == 512 * 14336
-    us_at_copy = (dispatch + combine) / (bench.NVLINK_COPY_GBPS * 1e3)
+    us_at_copy = (dispatch + combine) / (bench_comm.NVLINK_COPY_GBPS * 1e3)
     assert 30.0 < us_at_copy < 31.5  # the issue's "its bytes alone take ~31 us at 360 GB/s"
-    assert bench.gbps_per_direction(dispatch, combine, us_at_copy) == pytest.approx(bench.NVLINK_COPY_GBPS)
-    assert bench.gbps_per_direction(dispatch, combine, None) is None
-    assert bench.gbps_per_direction(dispatch, combine, 0.0) is None
+    assert bench_comm.gbps_per_direction(dispatch, combine, us_at_copy) == pytest.approx(bench_comm.NVLINK_COPY_GBPS)
+    assert bench_comm.gbps_per_direction(dispatch, combine, None) is None
+    assert bench_comm.gbps_per_direction(dispatch, combine, 0.0) is None
     # 8 ranks: 7/8 of the slots are remote
-    assert bench.expected_remote_rows(4096, 6, 8) == 4096 * 6 * 7 / 8
+    assert bench_comm.expected_remote_rows(4096, 6, 8) == 4096 * 6 * 7 / 8
 
 
 def test_targets() -> None:
-    cases = {c.name: c for c in bench.comm_cases()}
+    cases = {c.name: c for c in bench_comm.comm_cases()}
     assert list(cases) == [f"{s.name} T={t}" for s in (H4096, H7168) for t in (8, 128, 4096)]
     assert cases["H4096 topk6 E256 T=8"].target is None
     t40, t60 = cases["H4096 topk6 E256 T=128"].target, cases["H7168 topk8 E384 T=128"].target
-    assert t40 == bench.CommTarget(max_round_trip_us=40.0) and t60 == bench.CommTarget(max_round_trip_us=60.0)
+    assert t40 == bench_comm.CommTarget(max_round_trip_us=40.0) and t60 == bench_comm.CommTarget(max_round_trip_us=60.0)
     bw = cases["H7168 topk8 E384 T=4096"].target
-    assert bw == bench.CommTarget(min_gbps=290.0) == cases["H4096 topk6 E256 T=4096"].target
+    assert bw == bench_comm.CommTarget(min_gbps=290.0) == cases["H4096 topk6 E256 T=4096"].target
     assert t40.describe() == "< 40 us" and bw.describe() == ">= 290 GB/s"
     assert t40.met(39.9, None) and not t40.met(40.0, 999.0) and t40.met(None, None) is None
     assert bw.met(1000.0, 290.0) and not bw.met(1000.0, 289.9) and not bw.met(1000.0, None)
@@ -158,12 +158,12 @@ def _record(remote_rows: int, eager: float, graphed: float | None, ours: float, 
 
 
 def test_assemble_table_and_json(tmp_path) -> None:
-    cases = [bench.CommCase(H4096, 128), bench.CommCase(H7168, 4096)]
+    cases = [bench_comm.CommCase(H4096, 128), bench_comm.CommCase(H7168, 4096)]
     records = [  # [rank][case]
         [_record(380, 106.0, 60.0, 35.0), _record(16390, 3000.0, 2000.0, 1200.0)],
         [_record(388, 104.0, 61.0, 38.5), _record(16378, 3100.0, 2100.0, 1190.0, captured=False, host_bound=1.0)],
     ]
-    results = bench.assemble_comm_results(cases, records, 2, device="NVIDIA H200", warmup=10, iters=50)
+    results = bench_comm.assemble_comm_results(cases, records, 2, device="NVIDIA H200", warmup=10, iters=50)
     small, large = results
     assert small.remote_rows == 384 and small.dispatch_bytes == 384 * 4228 and small.combine_bytes == 384 * 8192
     eager, graphed, ours = small.measurements
@@ -181,19 +181,19 @@ def test_assemble_table_and_json(tmp_path) -> None:
     assert ours.gbps == pytest.approx(16384 * (7396 + 14336) / 1200.0 / 1e3) and ours.met is True  # ~297 GB/s
 
     console = Console(record=True, width=250)
-    console.print(bench.comm_results_table("megamoe bench comm on 2 x NVIDIA H200", results))
+    console.print(bench_comm.comm_results_table("megamoe bench comm on 2 x NVIDIA H200", results))
     text = console.export_text()
     for col in ("case", "implementation", "round trip (us)", "remote MB per direction", "GB/s per direction",
                 "% of 360 GB/s", "target", "met?"):
         assert col in text
     assert "H4096 topk6 E256 T=128" in text and "< 40 us" in text and ">= 290 GB/s" in text and "yes" in text
     caption = " ".join(text.split())  # the caption wraps
-    assert bench.comm_formula(results) in caption
+    assert bench_comm.comm_formula(results) in caption
     assert "(dispatch remote bytes + combine remote bytes) / round trip" in caption and "50 iterations" in caption
     assert "4.77" in text  # remote MB per direction of the first case: 384 x (4228 + 8192) B
 
     # JSON the way main writes it
-    payload = {"bench": "comm", "formula": bench.comm_formula(results), "results": [asdict(r) for r in results]}
+    payload = {"bench": "comm", "formula": bench_comm.comm_formula(results), "results": [asdict(r) for r in results]}
     path = tmp_path / "comm.json"
     path.write_text(json.dumps(payload, indent=1))
     back = json.loads(path.read_text())
@@ -204,31 +204,31 @@ def test_assemble_table_and_json(tmp_path) -> None:
 def test_variant_rows() -> None:
     """Records with every variant: one row per variant after the NCCL rows, in COMM_VARIANTS order, each judged
     against the target."""
-    case = bench.CommCase(H4096, 128)
+    case = bench_comm.CommCase(H4096, 128)
     recs = []
     for rank in range(2):
         rec = _record(384, 100.0, 60.0, 36.0 + rank)
         rec["ours_legacy"] = dict(rec["ours"], median_us=46.0 + rank)
         rec["ours_fused_pull"] = dict(rec["ours"], median_us=39.5)
         recs.append([rec])
-    (result,) = bench.assemble_comm_results([case], recs, 2)
+    (result,) = bench_comm.assemble_comm_results([case], recs, 2)
     impls = [m.impl for m in result.measurements]
-    assert impls[2:] == [label for _, _, label in bench.COMM_VARIANTS]
+    assert impls[2:] == [label for _, _, label in bench_comm.COMM_VARIANTS]
     legacy, default, fused = result.measurements[2:]
     assert legacy.round_trip_us == 47.0 and legacy.met is False
     assert default.round_trip_us == 37.0 and default.met is True and fused.met is True
 
 
 def test_missed_target_and_missing_rank() -> None:
-    case = bench.CommCase(H7168, 128)
+    case = bench_comm.CommCase(H7168, 128)
     records = [[_record(512, 100.0, 70.0, 65.0)], [_record(512, 100.0, 70.0, 50.0)]]
-    (result,) = bench.assemble_comm_results([case], records, 2)
+    (result,) = bench_comm.assemble_comm_results([case], records, 2)
     assert result.measurements[2].round_trip_us == 65.0 and result.measurements[2].met is False
     console = Console(record=True, width=250)
-    console.print(bench.comm_results_table("t", [result]))
+    console.print(bench_comm.comm_results_table("t", [result]))
     assert "NO" in console.export_text()
     with pytest.raises(ValueError, match="2 ranks x 1 cases"):
-        bench.assemble_comm_results([case], records[:1], 2)
+        bench_comm.assemble_comm_results([case], records[:1], 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -238,10 +238,10 @@ def test_missed_target_and_missing_rank() -> None:
 
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_kernel_configs(num_ranks: int) -> None:
-    configs = bench.comm_kernel_configs(num_ranks)
-    n = 6 * len(bench.COMM_VARIANTS)  # every case x (legacy, default, fused pull)
+    configs = bench_comm.comm_kernel_configs(num_ranks)
+    n = 6 * len(bench_comm.COMM_VARIANTS)  # every case x (legacy, default, fused pull)
     assert len(configs) == n and len({c.name for _, c in configs}) == n
-    assert [k for k, _, _ in bench.COMM_VARIANTS] == ["ours_legacy", "ours", "ours_fused_pull"]
+    assert [k for k, _, _ in bench_comm.COMM_VARIANTS] == ["ours_legacy", "ours", "ours_fused_pull"]
     assert sum(c.is_legacy for _, c in configs) == 6 and sum(c.pull_warps == 2 for _, c in configs) == 6
     for case, config in configs:
         s = case.shape
@@ -259,8 +259,8 @@ def test_kernel_configs(num_ranks: int) -> None:
 def test_two_rank_variants_compile_clean() -> None:
     from megamoe.jit import checks
 
-    results = bench.precompile_comm([2])
-    assert len(results) == 6 * len(bench.COMM_VARIANTS)
+    results = bench_comm.precompile_comm([2])
+    assert len(results) == 6 * len(bench_comm.COMM_VARIANTS)
     for result in results:
         assert checks.violations(result) == [], result.ptxas_log
 
@@ -277,19 +277,19 @@ def _gloo_worker(rank: int, port: int, results) -> None:
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        from megamoe.kernels import dispatch_combine as dc
+        from megamoe.kernels import dispatch_combine_checks as dcc
 
         layout = SymmLayout.create(2, 16, 64, 6, 256, 128)
         counts = [[37, 0], [0, 64]][rank]
-        mine = dc.random_inputs(layout, counts, "uniform", seed=rank)[rank]
-        baseline = bench.NcclRoundTrip(mine.x, mine.x_sf, mine.topk_idx, mine.topk_weights, 2,
+        mine = dcc.random_inputs(layout, counts, "uniform", seed=rank)[rank]
+        baseline = bench_comm.NcclRoundTrip(mine.x, mine.x_sf, mine.topk_idx, mine.topk_weights, 2,
                                        layout.num_local_experts, dist.group.WORLD)
         error = baseline.check()
         order, recv, in_splits, out_splits = baseline.dispatch(fixed=True)
         # the rows that arrive carry the expert ids of this rank's experts only
         expert_ids = recv[:, -4:].contiguous().view(torch.int32).flatten()
         owned = bool(((expert_ids // layout.num_local_experts) == rank).all())
-        remote = bench.count_remote_rows(mine.topk_idx, rank, layout.num_local_experts)
+        remote = bench_comm.count_remote_rows(mine.topk_idx, rank, layout.num_local_experts)
         results.put((rank, error, in_splits, out_splits, owned, remote))
         dist.barrier()
     except Exception:
@@ -345,8 +345,8 @@ def _failing_case(case, index, plan, rank, num_ranks, group, cpu_group) -> dict:
 
 
 def test_harness_gathers_on_rank_zero() -> None:
-    plan = bench.CommPlan(tuple(bench.comm_cases([8, 128], [H4096])), warmup=2, iters=3)
-    results = bench.spawn_comm_ranks(2, plan, backend="gloo", case_fn=_fake_case, timeout_s=120)
+    plan = bench_comm.CommPlan(tuple(bench_comm.comm_cases([8, 128], [H4096])), warmup=2, iters=3)
+    results = bench_comm.spawn_comm_ranks(2, plan, backend="gloo", case_fn=_fake_case, timeout_s=120)
     assert [r.case for r in results] == ["H4096 topk6 E256 T=8", "H4096 topk6 E256 T=128"]
     assert results[0].remote_rows == 100.5 and results[1].remote_rows == 200.5
     assert results[1].measurements[0].per_rank_us == [100.0, 101.0]
@@ -355,7 +355,7 @@ def test_harness_gathers_on_rank_zero() -> None:
 
 
 def test_harness_reports_a_failed_rank() -> None:
-    plan = bench.CommPlan(tuple(bench.comm_cases([8], [H4096])), warmup=1, iters=1)
+    plan = bench_comm.CommPlan(tuple(bench_comm.comm_cases([8], [H4096])), warmup=1, iters=1)
     with pytest.raises(RuntimeError, match="rank 1 broke") as info:
-        bench.spawn_comm_ranks(2, plan, backend="gloo", case_fn=_failing_case, timeout_s=120, grace_s=3)
+        bench_comm.spawn_comm_ranks(2, plan, backend="gloo", case_fn=_failing_case, timeout_s=120, grace_s=3)
     assert "still running 3 s after a failure" in str(info.value) or "rank 0" in str(info.value)

@@ -13,11 +13,11 @@ torch = pytest.importorskip("torch")
 
 from rich.console import Console  # noqa: E402
 
-from megamoe import bench, cli, quant  # noqa: E402
+from megamoe import bench, bench_ffn, cli, quant  # noqa: E402
 from megamoe import reference as ref  # noqa: E402
 from megamoe.kernels import catalog  # noqa: E402
 
-DECODE, PREFILL = bench.FFN_CASES
+DECODE, PREFILL = bench_ffn.FFN_CASES
 
 
 def _bench_args(argv: list[str]):
@@ -54,17 +54,17 @@ def test_cases_are_the_issue_loads() -> None:
 def test_kernel_variants_are_in_the_catalog() -> None:
     """`megamoe jit warm` compiles every variant the bench launches (so the device runs from the carried cache)."""
     names = {name for name, _, _ in catalog.all_variants()}
-    configs = bench.ffn_kernel_configs()
+    configs = bench_ffn.ffn_kernel_configs()
     assert [c.name for c in configs] == [c.name for c in catalog.FFN_BENCH_CONFIGS]
     assert all(c.name in names for c in configs)
 
 
 def test_weight_bytes_and_floor() -> None:
-    assert bench.ffn_weight_bytes(32, 4096, 2048) == 805_306_368  # the issue's 805 MB
+    assert bench_ffn.ffn_weight_bytes(32, 4096, 2048) == 805_306_368  # the issue's 805 MB
     assert DECODE.weight_bytes == PREFILL.weight_bytes == 805_306_368
     assert DECODE.floor_us == pytest.approx(184.7, abs=0.05)  # the issue's 185 us at 4.36 TB/s
-    assert bench.weight_floor_us(4.36e6) == pytest.approx(1.0)
-    assert bench.ffn_flops(32, 24, 4096, 2048) == 6.0 * 32 * 24 * 4096 * 2048
+    assert bench_ffn.weight_floor_us(4.36e6) == pytest.approx(1.0)
+    assert bench_ffn.ffn_flops(32, 24, 4096, 2048) == 6.0 * 32 * 24 * 4096 * 2048
     assert PREFILL.flops == pytest.approx(2.474e12, rel=1e-3)
 
 
@@ -89,8 +89,8 @@ def test_targets() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _result(case, base, approx, ours, note="") -> bench.FfnCaseResult:
-    result = bench.FfnCaseResult.of(case, device="NVIDIA H200", warmup=5, iters=30, seed=0)
+def _result(case, base, approx, ours, note="") -> bench_ffn.FfnCaseResult:
+    result = bench_ffn.FfnCaseResult.of(case, device="NVIDIA H200", warmup=5, iters=30, seed=0)
     result.add("cuBLAS unfused", base, "fp32 out", baseline_us=base)
     result.add("cuBLAS approx", approx, "", baseline_us=base)
     result.add("megamoe", ours, note, baseline_us=base, target=case.target)
@@ -109,7 +109,7 @@ def test_table_and_json(tmp_path) -> None:
     assert results[1].measurements[2].met is True
 
     console = Console(record=True, width=300)
-    console.print(bench.ffn_results_table("megamoe bench ffn", results))
+    console.print(bench_ffn.ffn_results_table("megamoe bench ffn", results))
     text = console.export_text()
     for needle in ("decode 32x24 (floor 185 us)", "prefill 32x1536", "x of weight floor",
                    "speedup vs cuBLAS unfused", "3.36x", "1.19", "yes", "rel-L2 4.1e-03", "4.36 TB/s",
@@ -128,7 +128,7 @@ def test_table_missed_target_and_untimed_rows() -> None:
     assert results[1].measurements[2].met is None
     assert results[1].measurements[2].speedup is None and results[1].measurements[2].floor_ratio is None
     console = Console(record=True, width=300)
-    console.print(bench.ffn_results_table("t", results))
+    console.print(bench_ffn.ffn_results_table("t", results))
     text = console.export_text()
     assert "NO" in text and "n/a" in text and "NOT TIMED" in text
 
@@ -142,7 +142,7 @@ def test_cli_accepts_ffn() -> None:
     args = _bench_args(["ffn"])
     assert args.name == "ffn" and cli.bench_options(args) == {}
     assert cli.bench_options(_bench_args(["ffn", "--json", "x.json"])) == {}
-    assert bench.BENCHES["ffn"] is bench.bench_ffn
+    assert bench.resolve(bench.BENCHES["ffn"]) is bench_ffn.bench_ffn
 
 
 @pytest.mark.parametrize("argv", [["ffn", "--tokens", "8"], ["ffn", "--compile-only"], ["ffn", "--iters", "3"]])
@@ -161,7 +161,7 @@ def test_main_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bench_rejects_no_cases() -> None:
     with pytest.raises(ValueError, match="no ffn cases"):
-        bench.bench_ffn(())
+        bench_ffn.bench_ffn(())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -169,11 +169,11 @@ def test_bench_rejects_no_cases() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # BLOCK_M 32: pool rows 0-4, 32-36, 64-68 (+ a spare block). K / 128 a multiple of 4 for both GEMMs: torch sizes
 # scale_b (round_up(K/128, 4), N/128), so the weight SFs are used as they are only there (true of H 4096, I 2048)
-SMALL = bench.FfnBenchCase("small", 3, 5, 512, 512)
+SMALL = bench_ffn.FfnBenchCase("small", 3, 5, 512, 512)
 
 
-def _small_inputs(seed: int = 0) -> bench.FfnBenchInputs:
-    return bench.ffn_random_inputs(SMALL, seed=seed, device="cpu")
+def _small_inputs(seed: int = 0) -> bench_ffn.FfnBenchInputs:
+    return bench_ffn.ffn_random_inputs(SMALL, seed=seed, device="cpu")
 
 
 def test_random_inputs_are_fresh_and_shaped() -> None:
@@ -192,8 +192,8 @@ def test_pool_packing() -> None:
     from megamoe.weights import inverse_transform_weights
 
     inputs = _small_inputs()
-    pool = bench.ffn_pool_inputs(SMALL, inputs)
-    rows = bench.ffn_pool_rows(SMALL)
+    pool = bench_ffn.ffn_pool_inputs(SMALL, inputs)
+    rows = bench_ffn.ffn_pool_rows(SMALL)
     assert rows.tolist() == [0, 1, 2, 3, 4, 32, 33, 34, 35, 36, 64, 65, 66, 67, 68]
     assert pool.num_pool_rows == SMALL.config.num_pool_rows(SMALL.counts) == 128
     assert torch.equal(pool.l1_acts.view(torch.uint8)[rows], inputs.x.view(torch.uint8))
@@ -254,12 +254,12 @@ def test_unfused_pipeline_per64_matches_the_reference(out_dtype: torch.dtype) ->
     anywhere); BF16 GEMM outputs (the fallback) stay within the bench's tolerance."""
     inputs = _small_inputs(3)
     fake = FakeScaledMm()
-    pipeline = bench.UnfusedCublas(inputs, SMALL.num_experts, SMALL.rows, out_dtype=out_dtype, scaled_mm=fake)
+    pipeline = bench_ffn.UnfusedCublas(inputs, SMALL.num_experts, SMALL.rows, out_dtype=out_dtype, scaled_mm=fake)
     out = pipeline.run().clone()
     e, c, h, i = SMALL.num_experts, SMALL.rows, SMALL.hidden, SMALL.intermediate
     assert fake.calls == [(c, 2 * i, h)] * e + [(2 * c, h, i)] * e
     for expert in range(e):
-        expected = bench.ffn_reference_expert(SMALL, inputs, expert)
+        expected = bench_ffn.ffn_reference_expert(SMALL, inputs, expert)
         got = out[expert]
         if out_dtype == torch.float32:
             rms = expected.float().pow(2).mean().sqrt()
@@ -267,7 +267,7 @@ def test_unfused_pipeline_per64_matches_the_reference(out_dtype: torch.dtype) ->
             assert bool(((got.float() - expected.float()).abs() <= step).all())
             assert ref.rel_l2(got.float(), expected.float()) < 1e-3
         else:
-            assert ref.rel_l2(got.float(), expected.float()) < bench.FFN_TOLERANCE_REL_L2
+            assert ref.rel_l2(got.float(), expected.float()) < bench_ffn.FFN_TOLERANCE_REL_L2
     # the stacks' zero halves stay zero, the live halves hold the codes
     q, _ = quant.requant_per64(ref.swiglu(pipeline.l1_out.view(e * c, 2 * i).float(), inputs.topk_weights,
                                           fast_math=True))
@@ -283,14 +283,14 @@ def test_unfused_pipeline_per64_matches_the_reference(out_dtype: torch.dtype) ->
 def test_unfused_pipeline_per128_approximation() -> None:
     inputs = _small_inputs(4)
     fake = FakeScaledMm()
-    pipeline = bench.UnfusedCublas(inputs, SMALL.num_experts, SMALL.rows, out_dtype=torch.float32, per64=False,
+    pipeline = bench_ffn.UnfusedCublas(inputs, SMALL.num_experts, SMALL.rows, out_dtype=torch.float32, per64=False,
                                    scaled_mm=fake)
     out = pipeline.run()
     e, c, h, i = SMALL.num_experts, SMALL.rows, SMALL.hidden, SMALL.intermediate
     assert fake.calls == [(c, 2 * i, h)] * e + [(c, h, i)] * e
     for expert in range(e):
-        err = ref.rel_l2(out[expert].float(), bench.ffn_reference_expert(SMALL, inputs, expert).float())
-        assert 0 < err < bench.FFN_APPROX_TOLERANCE_REL_L2  # another recipe: close, not equal
+        err = ref.rel_l2(out[expert].float(), bench_ffn.ffn_reference_expert(SMALL, inputs, expert).float())
+        assert 0 < err < bench_ffn.FFN_APPROX_TOLERANCE_REL_L2  # another recipe: close, not equal
 
 
 @pytest.mark.parametrize("group", [64, 128])
@@ -302,7 +302,7 @@ def test_capturable_quantizer_is_bit_identical(group: int) -> None:
     v[3, :256] = 0.0
     v[5, 64:192] = 1e-30
     expected = quant.requant_per64(v) if group == 64 else quant.per_token_cast_to_fp8(v)
-    got = bench.quantize_groups_capturable(v, group)
+    got = bench_ffn.quantize_groups_capturable(v, group)
     assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
     assert torch.equal(got[1].view(torch.int32), expected[1].view(torch.int32))
 
@@ -310,7 +310,7 @@ def test_capturable_quantizer_is_bit_identical(group: int) -> None:
 @pytest.mark.parametrize("per64", [True, False])
 def test_pipeline_run_has_no_host_round_trips(monkeypatch: pytest.MonkeyPatch, per64: bool) -> None:
     """run() is captured in a CUDA graph: no tensor built from host data, no value read back to the host."""
-    pipeline = bench.UnfusedCublas(_small_inputs(6), SMALL.num_experts, SMALL.rows, out_dtype=torch.float32,
+    pipeline = bench_ffn.UnfusedCublas(_small_inputs(6), SMALL.num_experts, SMALL.rows, out_dtype=torch.float32,
                                    per64=per64, scaled_mm=FakeScaledMm())
 
     def forbidden(*args, **kwargs):
@@ -347,8 +347,8 @@ class _FakeGpu:
             assert int(outputs.l1_done_count.abs().sum()) == 0  # zeroed before every launch
             self.launches += 1
             case = self.case
-            rows = bench.ffn_pool_rows(case)
-            expected = torch.cat([bench.ffn_reference_expert(case, self.inputs, e) for e in range(case.num_experts)])
+            rows = bench_ffn.ffn_pool_rows(case)
+            expected = torch.cat([bench_ffn.ffn_reference_expert(case, self.inputs, e) for e in range(case.num_experts)])
             outputs.out[rows] = (expected.float() * ours_scale).to(torch.bfloat16)
             outputs.l1_done_count.fill_(config.num_l1_n_blocks)
 
@@ -360,12 +360,12 @@ class _FakeGpu:
         monkeypatch.setattr(expert_ffn, "run", run)
         monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "fake H200")
-        monkeypatch.setattr(bench, "graphed", lambda fn, capture_error_mode="global": fn)
-        monkeypatch.setattr(bench, "time_us", fake_time)
+        monkeypatch.setattr(bench_ffn, "graphed", lambda fn, capture_error_mode="global": fn)
+        monkeypatch.setattr(bench_ffn, "time_us", fake_time)
 
-    def bench_case(self, case, seed: int = 0) -> bench.FfnCaseResult:
-        self.case, self.inputs = case, bench.ffn_random_inputs(case, seed=seed, device="cpu")
-        return bench.bench_ffn_case(case, self.inputs, warmup=1, iters=2)
+    def bench_case(self, case, seed: int = 0) -> bench_ffn.FfnCaseResult:
+        self.case, self.inputs = case, bench_ffn.ffn_random_inputs(case, seed=seed, device="cpu")
+        return bench_ffn.bench_ffn_case(case, self.inputs, warmup=1, iters=2)
 
 
 def test_case_on_cpu_times_and_checks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -397,22 +397,22 @@ def test_case_on_cpu_never_times_garbage(monkeypatch: pytest.MonkeyPatch) -> Non
     assert ours.time_us is None and ours.met is None and ours.note.startswith("NOT TIMED")
     assert fake.launches == 1 and base.time_us == 300.0
     console = Console(record=True, width=300)
-    console.print(bench.ffn_results_table("t", [bench.FfnCaseResult.of(SMALL)]))  # an empty case renders too
+    console.print(bench_ffn.ffn_results_table("t", [bench_ffn.FfnCaseResult.of(SMALL)]))  # an empty case renders too
 
 
 def test_bench_ffn_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _FakeGpu(monkeypatch, [300.0, 250.0, 100.0, 30.0, 20.0, 10.0])
-    other = bench.FfnBenchCase("small 9", 3, 9, 512, 512, bench.FfnTarget(max_floor_ratio=1e9))
+    other = bench_ffn.FfnBenchCase("small 9", 3, 9, 512, 512, bench_ffn.FfnTarget(max_floor_ratio=1e9))
     cases = (SMALL, other)
-    original = bench.bench_ffn_case
+    original = bench_ffn.bench_ffn_case
 
     def tracked(case, inputs, **kwargs):
         fake.case, fake.inputs = case, inputs
         return original(case, inputs, **kwargs)
 
-    monkeypatch.setattr(bench, "bench_ffn_case", tracked)
-    results = bench.bench_ffn(cases, warmup=1, iters=2, device="cpu")
+    monkeypatch.setattr(bench_ffn, "bench_ffn_case", tracked)
+    results = bench_ffn.bench_ffn(cases, warmup=1, iters=2, device="cpu")
     assert [r.case for r in results] == ["small", "small 9"] and [r.rows_per_expert for r in results] == [5, 9]
     assert results[1].measurements[2].met is True and "<= 1e+09x floor" in results[1].measurements[2].target
     with pytest.raises(ValueError, match="iters must be >= 1"):
-        bench.bench_ffn(cases, iters=0, device="cpu")
+        bench_ffn.bench_ffn(cases, iters=0, device="cpu")

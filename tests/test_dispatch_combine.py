@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 
 from megamoe.jit import checks  # noqa: E402
 from megamoe.kernels import dispatch_combine as dc  # noqa: E402
+from megamoe.kernels import dispatch_combine_checks as dcc  # noqa: E402
 from megamoe.layout import SymmLayout  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,11 +91,11 @@ def test_source_and_smem_plan() -> None:
     assert dc.SymBufferStruct.rank_idx.offset == 64 and dc.SymBufferStruct.num_ranks.offset == 68
 
 
-@pytest.mark.parametrize("routing", dc.ROUTINGS)
+@pytest.mark.parametrize("routing", dcc.ROUTINGS)
 def test_random_inputs(routing: str) -> None:
     layout = SymmLayout.create(*MULTI)
-    inputs = dc.random_inputs(layout, [40, 7], routing, seed=5)
-    again = dc.random_inputs(layout, [40, 7], routing, seed=5)
+    inputs = dcc.random_inputs(layout, [40, 7], routing, seed=5)
+    again = dcc.random_inputs(layout, [40, 7], routing, seed=5)
     for rank, (a, b) in enumerate(zip(inputs, again)):
         assert torch.equal(a.topk_idx, b.topk_idx) and torch.equal(a.x.view(torch.uint8), b.x.view(torch.uint8))
         idx = a.topk_idx
@@ -112,13 +113,13 @@ def test_random_inputs(routing: str) -> None:
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2])
-@pytest.mark.parametrize("routing", dc.ROUTINGS)
+@pytest.mark.parametrize("routing", dcc.ROUTINGS)
 def test_expected_dispatch_is_the_reference(num_ranks: int, routing: str) -> None:
     """The host expectation the gpu tiers use equals reference.moe's intermediates (its dispatched rows)."""
     from megamoe import reference
 
     layout = SymmLayout.create(num_ranks, 8, 64, 4, 256, 128)
-    inputs = dc.random_inputs(layout, [64, 0][:num_ranks] if num_ranks == 2 else [50], routing, seed=11)
+    inputs = dcc.random_inputs(layout, [64, 0][:num_ranks] if num_ranks == 2 else [50], routing, seed=11)
     el, h, i = layout.num_local_experts, layout.hidden, layout.intermediate
     zeros = torch.zeros(el, 2 * i, h).to(torch.float8_e4m3fn), torch.ones(el, 2 * i // 128, h // 128)
     zeros2 = torch.zeros(el, h, i).to(torch.float8_e4m3fn), torch.ones(el, h // 128, i // 128)
@@ -126,19 +127,19 @@ def test_expected_dispatch_is_the_reference(num_ranks: int, routing: str) -> Non
                             [a.topk_weights for a in inputs], [zeros] * num_ranks, [zeros2] * num_ranks,
                             return_intermediates=True)
     for rank, result in enumerate(results):
-        ref = [dc.ExpertRows(e.src, e.x.view(torch.uint8), e.x_sf, e.topk_weight) for e in result.experts]
-        expected = dc.expected_dispatch(inputs, layout, rank)
-        assert dc.compare_dispatch(expected, ref) == []
+        ref = [dcc.ExpertRows(e.src, e.x.view(torch.uint8), e.x_sf, e.topk_weight) for e in result.experts]
+        expected = dcc.expected_dispatch(inputs, layout, rank)
+        assert dcc.compare_dispatch(expected, ref) == []
         assert [r.src.shape[0] for r in expected] == result.num_recv_per_expert.tolist()
 
 
 def test_expected_y() -> None:
     layout = SymmLayout.create(*NARROW)
-    (a,) = dc.random_inputs(layout, [20], "uniform", seed=2)
+    (a,) = dcc.random_inputs(layout, [20], "uniform", seed=2)
     idx = a.topk_idx.clone()
     idx[0] = -1
     idx[1, 1:] = -1
-    y = dc.expected_y(a.x, a.x_sf, idx, a.topk_weights)
+    y = dcc.expected_y(a.x, a.x_sf, idx, a.topk_weights)
     assert y.dtype == torch.bfloat16 and y.shape == (20, 128)
     assert bool((y[0] == 0).all()), "a token without a valid slot is zero"
     single = ((a.x[1].float() * a.x_sf[1].repeat_interleave(128)) * a.topk_weights[1, 0]).to(torch.bfloat16)
@@ -184,7 +185,7 @@ def _buffer(shape: tuple):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", ["random", "max", "zero"])
-@pytest.mark.parametrize("routing", [r for r in dc.ROUTINGS if r != "other_rank"])
+@pytest.mark.parametrize("routing", [r for r in dcc.ROUTINGS if r != "other_rank"])
 @pytest.mark.parametrize("block_m", [32, 64, 128])
 def test_single_rank_exact(block_m: int, routing: str, tokens: str) -> None:
     buf = _buffer(MAIN)
@@ -192,10 +193,10 @@ def test_single_rank_exact(block_m: int, routing: str, tokens: str) -> None:
     num_calls = 3
     for call in range(num_calls):  # fresh inputs every call, outputs poisoned before each
         t = {"random": rng.randint(1, MAIN[2]), "max": MAIN[2], "zero": 0}[tokens]
-        inputs = dc.random_inputs(buf.layout, [t], routing, seed=rng.randrange(1 << 30))
-        errors = dc.checked_call(buf, inputs, block_m)
+        inputs = dcc.random_inputs(buf.layout, [t], routing, seed=rng.randrange(1 << 30))
+        errors = dcc.checked_call(buf, inputs, block_m)
         assert errors == [], f"call {call} (T={t}): {errors}"
-    assert dc.workspace_errors(buf, num_calls) == []
+    assert dcc.workspace_errors(buf, num_calls) == []
 
 
 @pytest.mark.gpu
@@ -205,9 +206,9 @@ def test_single_rank_exact(block_m: int, routing: str, tokens: str) -> None:
 def test_single_rank_variants(shape: tuple, block_m: int, bulk: bool, preset: str | None) -> None:
     buf = _buffer(shape)
     for call, routing in enumerate(["uniform", "masked", "one_expert"]):
-        inputs = dc.random_inputs(buf.layout, [shape[2] - call], routing, seed=100 + call)
-        assert dc.checked_call(buf, inputs, block_m, bulk, KNOBS[preset]) == [], routing
-    assert dc.workspace_errors(buf, 3) == []
+        inputs = dcc.random_inputs(buf.layout, [shape[2] - call], routing, seed=100 + call)
+        assert dcc.checked_call(buf, inputs, block_m, bulk, KNOBS[preset]) == [], routing
+    assert dcc.workspace_errors(buf, 3) == []
 
 
 @pytest.mark.gpu
@@ -216,10 +217,10 @@ def test_legacy_and_default_alternate() -> None:
     keep the workspace (counters, NVLink barrier words) in the same state."""
     buf = _buffer(MAIN)
     for call in range(6):
-        inputs = dc.random_inputs(buf.layout, [MAIN[2] - 7 * call], dc.ROUTINGS[call % 4], seed=300 + call)
+        inputs = dcc.random_inputs(buf.layout, [MAIN[2] - 7 * call], dcc.ROUTINGS[call % 4], seed=300 + call)
         preset = (LEGACY, None, FUSED)[call % 3]
-        assert dc.checked_call(buf, inputs, 64, True, KNOBS[preset]) == [], (call, preset)
-    assert dc.workspace_errors(buf, 6) == []
+        assert dcc.checked_call(buf, inputs, 64, True, KNOBS[preset]) == [], (call, preset)
+    assert dcc.workspace_errors(buf, 6) == []
 
 
 @pytest.mark.gpu
@@ -230,13 +231,13 @@ def test_pool_matches_reference_moe() -> None:
     buf = _buffer(MAIN)
     gen = torch.Generator().manual_seed(7)
     case = reference.random_case(200, 512, 128, 8, 4, mask_prob=0.2, small_int=True, generator=gen)
-    inputs = [dc.RankInputs(case.x[0], case.x_sf[0], case.topk_idx[0], case.topk_weights[0])]
-    assert dc.checked_call(buf, inputs, 32) == []
+    inputs = [dcc.RankInputs(case.x[0], case.x_sf[0], case.topk_idx[0], case.topk_weights[0])]
+    assert dcc.checked_call(buf, inputs, 32) == []
     result = reference.moe(case.x[0], case.x_sf[0], case.topk_idx[0], case.topk_weights[0], case.l1_weights[0],
                            case.l2_weights[0], return_intermediates=True)
-    ref = [dc.ExpertRows(e.src, e.x.view(torch.uint8), e.x_sf, e.topk_weight) for e in result.experts]
+    ref = [dcc.ExpertRows(e.src, e.x.view(torch.uint8), e.x_sf, e.topk_weight) for e in result.experts]
     counts = result.num_recv_per_expert.tolist()
-    assert dc.compare_dispatch(dc.dispatched_rows(buf, counts, 32), ref) == []
+    assert dcc.compare_dispatch(dcc.dispatched_rows(buf, counts, 32), ref) == []
 
 
 @pytest.mark.gpu
@@ -248,7 +249,7 @@ def test_back_to_back_calls() -> None:
     calls = []
     for call in range(num_calls):
         t = rng.choice([0, MAIN[2], rng.randint(1, MAIN[2])])
-        inputs = dc.random_inputs(buf.layout, [t], dc.ROUTINGS[call % 4], seed=call)
+        inputs = dcc.random_inputs(buf.layout, [t], dcc.ROUTINGS[call % 4], seed=call)
         staged = [getattr(inputs[0], n).to(buf.device) for n in ("x", "x_sf", "topk_idx", "topk_weights")]
         calls.append((inputs, staged, rng.choice([32, 64, 128])))
     stats = torch.zeros(buf.layout.num_local_experts, dtype=torch.int32, device=buf.device)
@@ -264,23 +265,24 @@ def test_back_to_back_calls() -> None:
     total = torch.zeros(buf.layout.num_local_experts, dtype=torch.int64)
     for call, ((inputs, _, _), y) in enumerate(zip(calls, ys)):
         a = inputs[0]
-        expected = dc.expected_y(a.x, a.x_sf, a.topk_idx, a.topk_weights)
+        expected = dcc.expected_y(a.x, a.x_sf, a.topk_idx, a.topk_weights)
         assert torch.equal(y.view(torch.int16).cpu(), expected.view(torch.int16)), f"call {call}: y differs"
-        total += torch.tensor([r.src.shape[0] for r in dc.expected_dispatch(inputs, buf.layout, 0)])
+        total += torch.tensor([r.src.shape[0] for r in dcc.expected_dispatch(inputs, buf.layout, 0)])
     assert stats.cpu().tolist() == total.tolist(), "cumulative recv stats"
     last_inputs, _, last_block_m = calls[-1]
-    expected = dc.expected_dispatch(last_inputs, buf.layout, 0)
-    got = dc.dispatched_rows(buf, [r.src.shape[0] for r in expected], last_block_m)
-    assert dc.compare_dispatch(got, expected) == []
-    assert dc.workspace_errors(buf, num_calls) == []
+    expected = dcc.expected_dispatch(last_inputs, buf.layout, 0)
+    got = dcc.dispatched_rows(buf, [r.src.shape[0] for r in expected], last_block_m)
+    assert dcc.compare_dispatch(got, expected) == []
+    assert dcc.workspace_errors(buf, num_calls) == []
 
 
 _HANG_CHILD = """
 import torch, megamoe
 from megamoe.kernels import dispatch_combine as dc
+from megamoe.kernels import dispatch_combine_checks as dcc
 from megamoe.jit.diagnostics import timeout_records
 buf = megamoe.get_symm_buffer(None, 8, 256, 4, 512, 128)
-t = dc.load_inputs(buf, dc.random_inputs(buf.layout, [64], "uniform", 0)[0])
+t = dcc.load_inputs(buf, dcc.random_inputs(buf.layout, [64], "uniform", 0)[0])
 y = torch.empty(t, 512, dtype=torch.bfloat16, device="cuda")
 try:
     dc.run(buf, t, y, block_m=64, debug_hang=True)

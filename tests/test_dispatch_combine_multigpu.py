@@ -54,7 +54,7 @@ def _knobs(preset: str | None) -> dict:
 
 
 def _scenario_exact(group: Any, bulk: bool, preset: str | None = None) -> list[str]:
-    from megamoe.kernels import dispatch_combine as dc
+    from megamoe.kernels import dispatch_combine_checks as dcc
 
     buf = _buffer(group)
     knobs = _knobs(preset)
@@ -62,7 +62,7 @@ def _scenario_exact(group: Any, bulk: bool, preset: str | None = None) -> list[s
     errors, num_calls = [], 0
     token_cases = {"random": None, "max": [t_max, t_max], "zero_on_rank1": [t_max // 2, 0],
                    "zero_on_rank0": [0, 37]}
-    routings = dc.ROUTINGS if bulk else ("uniform", "other_rank")
+    routings = dcc.ROUTINGS if bulk else ("uniform", "other_rank")
     block_ms = (32, 64, 128) if bulk and preset is None else (64,)
     for block_m in block_ms:
         for routing in routings:
@@ -70,11 +70,11 @@ def _scenario_exact(group: Any, bulk: bool, preset: str | None = None) -> list[s
                 rng = random.Random(f"{block_m}-{routing}-{label}")  # str seeds are process-independent
                 seed = rng.randrange(1 << 30)
                 counts = tokens or [rng.randint(1, t_max) for _ in range(NUM_RANKS)]
-                inputs = dc.random_inputs(buf.layout, counts, routing, seed=seed)
-                case_errors = dc.checked_call(buf, inputs, block_m, bulk, knobs)
+                inputs = dcc.random_inputs(buf.layout, counts, routing, seed=seed)
+                case_errors = dcc.checked_call(buf, inputs, block_m, bulk, knobs)
                 num_calls += 1
                 errors += [f"bm={block_m} {routing} {label} T={counts}: {e}" for e in case_errors]
-    errors += dc.workspace_errors(buf, num_calls)
+    errors += dcc.workspace_errors(buf, num_calls)
     buf.destroy()
     return errors
 
@@ -82,13 +82,14 @@ def _scenario_exact(group: Any, bulk: bool, preset: str | None = None) -> list[s
 def _scenario_back_to_back(group: Any, num_calls: int) -> list[str]:
     """Calls with changing inputs, token counts, routings and BLOCK_M, no host synchronization in between."""
     from megamoe.kernels import dispatch_combine as dc
+    from megamoe.kernels import dispatch_combine_checks as dcc
 
     buf = _buffer(group)
     rng = random.Random(4321)  # same sequence on every rank
     calls = []
     for call in range(num_calls):
         counts = [rng.choice([0, SHAPE[2], rng.randint(1, SHAPE[2])]) for _ in range(NUM_RANKS)]
-        inputs = dc.random_inputs(buf.layout, counts, dc.ROUTINGS[call % len(dc.ROUTINGS)], seed=call)
+        inputs = dcc.random_inputs(buf.layout, counts, dcc.ROUTINGS[call % len(dcc.ROUTINGS)], seed=call)
         mine = inputs[buf.rank]
         staged = [getattr(mine, n).to(buf.device) for n in ("x", "x_sf", "topk_idx", "topk_weights")]
         calls.append((inputs, staged, rng.choice([32, 64, 128])))
@@ -107,19 +108,19 @@ def _scenario_back_to_back(group: Any, num_calls: int) -> list[str]:
     total = [0] * buf.layout.num_local_experts
     for call, ((inputs, _, _), y) in enumerate(zip(calls, ys)):
         mine = inputs[buf.rank]
-        expected = dc.expected_y(mine.x, mine.x_sf, mine.topk_idx, mine.topk_weights)
+        expected = dcc.expected_y(mine.x, mine.x_sf, mine.topk_idx, mine.topk_weights)
         differ = int((y.view(torch.int16).cpu() != expected.view(torch.int16)).sum())
         if differ:
             errors.append(f"call {call}: {differ} of {y.numel()} y values differ")
-        for e, rows in enumerate(dc.expected_dispatch(inputs, buf.layout, buf.rank)):
+        for e, rows in enumerate(dcc.expected_dispatch(inputs, buf.layout, buf.rank)):
             total[e] += rows.src.shape[0]
     if stats.cpu().tolist() != total:
         errors.append(f"cumulative recv stats {stats.cpu().tolist()}, expected {total}")
     last_inputs, _, last_block_m = calls[-1]
-    expected_rows = dc.expected_dispatch(last_inputs, buf.layout, buf.rank)
-    got = dc.dispatched_rows(buf, [r.src.shape[0] for r in expected_rows], last_block_m)
-    errors += [f"last call: {e}" for e in dc.compare_dispatch(got, expected_rows)]
-    errors += dc.workspace_errors(buf, num_calls)
+    expected_rows = dcc.expected_dispatch(last_inputs, buf.layout, buf.rank)
+    got = dcc.dispatched_rows(buf, [r.src.shape[0] for r in expected_rows], last_block_m)
+    errors += [f"last call: {e}" for e in dcc.compare_dispatch(got, expected_rows)]
+    errors += dcc.workspace_errors(buf, num_calls)
     buf.destroy()
     return errors
 
@@ -131,13 +132,14 @@ def _scenario_peer_never_arrives(group: Any, release: Any) -> list[str]:
     """Rank 1 skips its launch; rank 0 must time out at the dispatch barrier, report and trap."""
     from megamoe.jit.diagnostics import timeout_records
     from megamoe.kernels import dispatch_combine as dc
+    from megamoe.kernels import dispatch_combine_checks as dcc
 
     buf = _buffer(group)
     # NOTES: after the trap, freeing symmetric memory raises inside a destructor (std::terminate) before this
     # rank can report: the buffer is kept referenced until the worker leaves with os._exit.
     _KEPT_UNTIL_EXIT.append(buf)
-    inputs = dc.random_inputs(buf.layout, [64, 64], "uniform", seed=9)
-    t = dc.load_inputs(buf, inputs[buf.rank])
+    inputs = dcc.random_inputs(buf.layout, [64, 64], "uniform", seed=9)
+    t = dcc.load_inputs(buf, inputs[buf.rank])
     y = torch.empty(t, buf.hidden, dtype=torch.bfloat16, device=buf.device)
     torch.cuda.synchronize()
     # NOTES: no NCCL communicator may be alive when rank 0 traps: torch's NCCL watchdog then hits the poisoned

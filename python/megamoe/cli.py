@@ -23,26 +23,37 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 COMM_ONLY_OPTIONS = ("tokens", "warmup", "iters", "compile_only", "ranks")
 
 
+def parse_int_list(text: str) -> list[int]:
+    """"8,128,4096" -> [8, 128, 4096] (the CLI's list arguments)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"expected comma-separated integers, got {text!r}")
+    return values
+
+
 def bench_options(args: argparse.Namespace) -> dict:
-    """The keyword arguments of bench.main / bench.precompile_comm from the `bench` arguments (ValueError when
-    they do not fit the bench)."""
-    from megamoe import bench
+    """The keyword arguments of bench.main / bench_comm.precompile_comm from the `bench` arguments (ValueError
+    when they do not fit the bench)."""
+    from megamoe import bench_comm
 
     given = [f"--{name.replace('_', '-')}" for name in COMM_ONLY_OPTIONS if getattr(args, name) not in (None, False)]
     if args.name != "comm":
         if given:
             raise ValueError(f"{', '.join(given)} only apply to `megamoe bench comm`")
         return {}
-    tokens = bench.parse_int_list(args.tokens) if args.tokens is not None else list(bench.COMM_TOKENS)
+    tokens = parse_int_list(args.tokens) if args.tokens is not None else list(bench_comm.COMM_TOKENS)
     if args.compile_only:
-        ranks = bench.parse_int_list(args.ranks) if args.ranks is not None else [2, 4, 8]
+        ranks = parse_int_list(args.ranks) if args.ranks is not None else [2, 4, 8]
         return {"tokens": tokens, "ranks": ranks}
     if args.ranks is not None:
         raise ValueError("--ranks only applies with --compile-only (a run uses every visible GPU: "
                          "CUDA_VISIBLE_DEVICES picks them)")
     options = {"tokens": tokens, "warmup": 10 if args.warmup is None else args.warmup,
                "iters": 50 if args.iters is None else args.iters}
-    bench.check_comm_options(**options)
+    bench_comm.check_comm_options(**options)
     return options
 
 
@@ -56,7 +67,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.compile_only:
         from rich.console import Console
 
-        bench.precompile_comm(console=Console(), **options)
+        from megamoe import bench_comm
+
+        bench_comm.precompile_comm(console=Console(), **options)
         return 0
     bench.main(args.name, args.json, **options)
     return 0

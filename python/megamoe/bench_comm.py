@@ -1,0 +1,636 @@
+"""`megamoe bench comm`: the dispatch -> trivial expert -> combine unit kernel (megamoe.kernels.dispatch_combine)
+against an NCCL all_to_all_single round trip, one process per GPU (spawned here; every visible GPU is a rank).
+`megamoe bench comm --compile-only` fills the JIT cache with every variant it launches (no GPU needed). The
+framework (timers, table cells, `main`) is megamoe.bench's.
+"""
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from megamoe.bench import first_line, fmt, fmt_met, graphed, time_queued_us, time_stages_us
+
+# NOTES: the NCCL baseline and our kernel never run at the same time: each is a phase of its own, between
+# torch.cuda.synchronize() and a CPU (gloo) barrier on every rank. Our persistent cooperative kernel holds every SM
+# while it waits for its peers; an NCCL kernel queued behind it on one GPU while a peer waits for that NCCL kernel
+# would never finish.
+NVLINK_COPY_GBPS = 360.0  # measured NVLink copy between two H200s, per direction (README "Benchmarks", issue)
+COMM_BANDWIDTH_TARGET_GBPS = 290.0  # 80% of the copy
+COMM_TOKENS = (8, 128, 4096)  # tokens per rank
+COMM_LATENCY_TOKENS = 128  # the round-trip latency target applies here
+COMM_BANDWIDTH_TOKENS = 4096  # the bandwidth target applies here
+COMM_FORMULA = (
+    "rows = the mean over ranks of the (token, slot) pairs whose expert lives on another rank; dispatch remote "
+    "bytes = rows x (H FP8 + H/128 x 4 B SF + 4 B weight), combine remote bytes = rows x 2H (BF16), per direction; "
+    "GB/s per direction = (dispatch remote bytes + combine remote bytes) / round trip. Round trip: the slowest "
+    "rank's median over {iters} iterations after {warmup} warm-up, CUDA events, {ranks} ranks (one process per "
+    "GPU). NCCL rows carry 4 B more (the expert id), not counted."
+)
+
+
+@dataclass(frozen=True)
+class CommShape:
+    name: str
+    hidden: int
+    num_topk: int
+    num_experts: int
+    intermediate: int  # sizes the buffer's L2 regions only (the unit kernel has no GEMM)
+    latency_target_us: float  # round trip at COMM_LATENCY_TOKENS tokens per rank
+
+
+COMM_SHAPES = (
+    CommShape("H4096 topk6 E256", 4096, 6, 256, 2048, 40.0),
+    CommShape("H7168 topk8 E384", 7168, 8, 384, 2048, 60.0),
+)
+
+
+@dataclass(frozen=True)
+class CommTarget:
+    max_round_trip_us: float | None = None
+    min_gbps: float | None = None
+
+    def describe(self) -> str:
+        parts = ([f"< {self.max_round_trip_us:g} us"] if self.max_round_trip_us is not None else []) + \
+                ([f">= {self.min_gbps:g} GB/s"] if self.min_gbps is not None else [])
+        return ", ".join(parts) or "-"
+
+    def met(self, round_trip_us: float | None, gbps: float | None) -> bool | None:
+        if round_trip_us is None:
+            return None
+        ok = True
+        if self.max_round_trip_us is not None:
+            ok &= round_trip_us < self.max_round_trip_us
+        if self.min_gbps is not None:
+            ok &= gbps is not None and gbps >= self.min_gbps
+        return ok
+
+
+@dataclass(frozen=True)
+class CommCase:
+    shape: CommShape
+    tokens: int  # per rank; also the buffer's num_max_tokens_per_rank
+
+    @property
+    def name(self) -> str:
+        return f"{self.shape.name} T={self.tokens}"
+
+    @property
+    def target(self) -> CommTarget | None:
+        if self.tokens == COMM_LATENCY_TOKENS:
+            return CommTarget(max_round_trip_us=self.shape.latency_target_us)
+        if self.tokens == COMM_BANDWIDTH_TOKENS:
+            return CommTarget(min_gbps=COMM_BANDWIDTH_TARGET_GBPS)
+        return None
+
+    def layout(self, num_ranks: int) -> Any:
+        from megamoe.layout import SymmLayout
+
+        s = self.shape
+        return SymmLayout.create(num_ranks, s.num_experts, self.tokens, s.num_topk, s.hidden, s.intermediate)
+
+
+def comm_cases(tokens: Sequence[int] = COMM_TOKENS, shapes: Sequence[CommShape] = COMM_SHAPES) -> list[CommCase]:
+    return [CommCase(shape, t) for shape in shapes for t in tokens]
+
+
+def check_comm_options(tokens: Sequence[int], warmup: int, iters: int) -> None:
+    if not tokens or any(isinstance(t, bool) or not isinstance(t, int) or t <= 0 for t in tokens):
+        raise ValueError(f"tokens must be positive integers, got {list(tokens)}")
+    if len(set(tokens)) != len(tokens):
+        raise ValueError(f"tokens must be distinct, got {list(tokens)}")
+    if warmup < 1:
+        raise ValueError(f"warmup must be >= 1, got {warmup}")
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+
+
+def comm_num_ranks(device_count: int, shapes: Sequence[CommShape] = COMM_SHAPES) -> int:
+    """The rank count of `megamoe bench comm`: every visible GPU, at least 2, at most kMaxRanks, dividing E."""
+    from megamoe.layout import MAX_RANKS
+
+    if device_count < 2:
+        raise SystemExit(f"megamoe bench comm needs at least 2 GPUs (one rank per GPU over NVLink), got "
+                         f"{device_count}; run it where 2 or more GPUs are visible (CUDA_VISIBLE_DEVICES)")
+    if device_count > MAX_RANKS:
+        raise SystemExit(f"megamoe bench comm supports at most {MAX_RANKS} ranks (one NVLink domain), found "
+                         f"{device_count} GPUs; set CUDA_VISIBLE_DEVICES to {MAX_RANKS} or fewer")
+    bad = [s.name for s in shapes if s.num_experts % device_count]
+    if bad:
+        raise SystemExit(f"megamoe bench comm: {device_count} GPUs do not divide the experts of {bad}; use 2, 4 or "
+                         f"8 GPUs (CUDA_VISIBLE_DEVICES)")
+    return device_count
+
+
+def comm_block_m(case: CommCase, num_ranks: int) -> int:
+    """BLOCK_M of the launch: the buffer's own (heuristics.select_config, as SymmBuffer.config())."""
+    from megamoe import heuristics
+
+    s = case.shape
+    return heuristics.select_config(num_ranks, s.num_experts, case.tokens, s.num_topk, s.hidden,
+                                    s.intermediate).block_m
+
+
+# The unit-kernel variants timed side by side, in table order: (record key, knob preset name, table label).
+# Presets are dispatch_combine's: "legacy" = LEGACY_KNOBS (the first version), "default" = the config's field
+# defaults (the predicted fastest; the targets are judged on it), "fused_pull" = FUSED_PULL_KNOBS (2 pulling warps
+# per CTA with 4 rows in flight, as the fused kernel will have).
+COMM_VARIANTS = (
+    ("ours_legacy", "legacy", "megamoe unit kernel, previous config (legacy knobs)"),
+    ("ours", "default", "megamoe unit kernel (dispatch + expert + combine)"),
+    ("ours_fused_pull", "fused_pull", "megamoe unit kernel, 2 pull warps x 4 rows (fused kernel's pull)"),
+)
+
+
+def comm_variant_knobs(preset: str) -> dict[str, Any]:
+    from megamoe.kernels import dispatch_combine as dc
+
+    return {"legacy": dc.LEGACY_KNOBS, "default": {}, "fused_pull": dc.FUSED_PULL_KNOBS}[preset]
+
+
+def comm_kernel_configs(num_ranks: int, tokens: Sequence[int] = COMM_TOKENS,
+                        shapes: Sequence[CommShape] = COMM_SHAPES) -> list[tuple[CommCase, Any]]:
+    """(case, DispatchCombineConfig) of every unit-kernel variant `megamoe bench comm` launches on num_ranks
+    (every case x every COMM_VARIANTS knob preset)."""
+    from megamoe.kernels import dispatch_combine as dc
+
+    return [(case, dc.DispatchCombineConfig(case.layout(num_ranks), comm_block_m(case, num_ranks),
+                                            **comm_variant_knobs(preset)))
+            for case in comm_cases(tokens, shapes) for _, preset, _ in COMM_VARIANTS]
+
+
+def precompile_comm(ranks: Sequence[int] = (2, 4, 8), tokens: Sequence[int] = COMM_TOKENS,
+                    shapes: Sequence[CommShape] = COMM_SHAPES, console: Console | None = None) -> list[Any]:
+    """Compile every variant the comm bench launches on each rank count into the JIT cache (no GPU needed)."""
+    from megamoe.jit import checks
+    from megamoe.kernels import dispatch_combine as dc
+
+    table = Table(title="megamoe bench comm: unit kernel variants")
+    for col in ("ranks", "case", "kernel", "cache", "compile checks"):
+        table.add_column(col, overflow="fold")
+    compiled = []
+    for num_ranks in ranks:
+        for case, config in comm_kernel_configs(comm_num_ranks(num_ranks, shapes), tokens, shapes):
+            result = dc.compile_kernel(config)
+            compiled.append(result)
+            found = checks.violations(result)
+            table.add_row(str(num_ranks), case.name, config.name,
+                          "hit" if result.cache_hit else f"compiled {result.compile_seconds:.1f} s",
+                          "[red]" + "; ".join(found) + "[/]" if found else "pass")
+    if console is not None:
+        console.print(table)
+    return compiled
+
+
+# Byte accounting ------------------------------------------------------------------------------------------------
+def dispatch_row_bytes(hidden: int) -> int:
+    """Bytes dispatch moves per remote (token, slot): the FP8 row, its SF (one float per 128), the top-k weight."""
+    return hidden + hidden // 128 * 4 + 4
+
+
+def combine_row_bytes(hidden: int) -> int:
+    """Bytes combine moves per remote (token, slot): the expert's BF16 row."""
+    return 2 * hidden
+
+
+def count_remote_rows(topk_idx: torch.Tensor, rank: int, num_local_experts: int) -> int:
+    """This rank's (token, slot) pairs whose expert lives on another rank (-1 slots are not sent)."""
+    valid = topk_idx >= 0
+    return int((valid & (topk_idx.div(num_local_experts, rounding_mode="floor") != rank)).sum())
+
+
+def expected_remote_rows(tokens: int, num_topk: int, num_ranks: int) -> float:
+    """Uniform routing: a slot's expert is remote with probability (R - 1) / R."""
+    return tokens * num_topk * (num_ranks - 1) / num_ranks
+
+
+def remote_bytes_per_direction(total_remote_rows: int | float, num_ranks: int, hidden: int) -> tuple[float, float]:
+    """(dispatch, combine) remote bytes per rank and direction, from the remote rows summed over all ranks. Every
+    remote row leaves one rank and enters another, so the mean over ranks is the same for what a rank sends and
+    what it receives: dispatch pulls it in, combine pushes it back."""
+    rows = total_remote_rows / num_ranks
+    return rows * dispatch_row_bytes(hidden), rows * combine_row_bytes(hidden)
+
+
+def gbps_per_direction(dispatch_bytes: float, combine_bytes: float, round_trip_us: float | None) -> float | None:
+    if round_trip_us is None or round_trip_us <= 0:
+        return None
+    return (dispatch_bytes + combine_bytes) / round_trip_us / 1e3
+
+
+# Results --------------------------------------------------------------------------------------------------------
+@dataclass
+class CommMeasurement:
+    impl: str
+    round_trip_us: float | None  # the slowest rank's median
+    gbps: float | None
+    per_rank_us: list[float | None] = field(default_factory=list)
+    dispatch_us: float | None = None
+    combine_us: float | None = None
+    target: str = "-"
+    met: bool | None = None
+    note: str = ""
+
+
+@dataclass
+class CommCaseResult:
+    case: str
+    num_ranks: int
+    tokens_per_rank: int
+    hidden: int
+    num_topk: int
+    num_experts: int
+    remote_rows: float  # per rank (mean)
+    dispatch_bytes: float  # remote, per rank and direction
+    combine_bytes: float
+    target: CommTarget | None = None
+    device: str = ""
+    warmup: int = 0
+    iters: int = 0
+    measurements: list[CommMeasurement] = field(default_factory=list)
+
+    @property
+    def remote_bytes(self) -> float:
+        return self.dispatch_bytes + self.combine_bytes
+
+    def add(self, impl: str, per_rank_us: Sequence[float | None], note: str = "", *,
+            dispatch_us: float | None = None, combine_us: float | None = None,
+            apply_target: bool = False) -> CommMeasurement:
+        times = list(per_rank_us)
+        round_trip = None if not times or any(t is None for t in times) else max(times)
+        gbps = gbps_per_direction(self.dispatch_bytes, self.combine_bytes, round_trip)
+        target = self.target if apply_target else None
+        m = CommMeasurement(impl, round_trip, gbps, times, dispatch_us, combine_us,
+                            target.describe() if target else "-", target.met(round_trip, gbps) if target else None,
+                            note)
+        self.measurements.append(m)
+        return m
+
+
+def _max(values: Sequence[float | None]) -> float | None:
+    return None if any(v is None for v in values) or not values else max(values)  # type: ignore[type-var]
+
+
+def assemble_comm_results(cases: Sequence[CommCase], records: Sequence[Sequence[dict]], num_ranks: int, *,
+                          device: str = "", warmup: int = 0, iters: int = 0) -> list[CommCaseResult]:
+    """The table's rows from every rank's records (records[rank][case index], as _comm_case_on_rank returns)."""
+    if len(records) != num_ranks or any(len(r) != len(cases) for r in records):
+        raise ValueError(f"expected {num_ranks} ranks x {len(cases)} cases of records, got "
+                         f"{[len(r) for r in records]}")
+    results = []
+    for i, case in enumerate(cases):
+        recs = [records[rank][i] for rank in range(num_ranks)]
+        total_rows = sum(int(r["remote_rows"]) for r in recs)
+        dispatch_bytes, combine_bytes = remote_bytes_per_direction(total_rows, num_ranks, case.shape.hidden)
+        result = CommCaseResult(case.name, num_ranks, case.tokens, case.shape.hidden, case.shape.num_topk,
+                                case.shape.num_experts, total_rows / num_ranks, dispatch_bytes, combine_bytes,
+                                case.target, device, warmup, iters)
+        eager = [r["nccl_eager"] for r in recs]
+        d, c = _max([e["dispatch_us"] for e in eager]), _max([e["combine_us"] for e in eager])
+        result.add("NCCL all_to_all_single, eager", [e["round_trip_us"] for e in eager],
+                   "split sizes exchanged + host sync; " + ("" if d is None or c is None else
+                                                           f"dispatch {d:.1f} / combine {c:.1f} us"),
+                   dispatch_us=d, combine_us=c)
+        graphed_runs = [r["nccl_graphed"] for r in recs]
+        if all(g["graphed"] for g in graphed_runs):
+            impl, note = "NCCL all_to_all_single, CUDA graph", "splits fixed at capture, count exchange kept"
+        else:
+            reason = next((g["note"] for g in graphed_runs if g["note"]), "")
+            impl, note = "NCCL all_to_all_single, fixed splits", f"eager: graph capture failed ({reason})"
+        if any(g.get("host_bound") for g in graphed_runs):
+            note += "; host-bound"
+        result.add(impl, [g["median_us"] for g in graphed_runs], note)
+        for key, _, label in COMM_VARIANTS:  # the variants every rank timed (records without a key: not run)
+            if not all(key in r for r in recs):
+                continue
+            ours = [r[key] for r in recs]
+            note = (f"BLOCK_M {int(ours[0]['block_m'])}, mean {max(o['us_per_call'] for o in ours):.1f} us, "
+                    f"host {max(o['host_us_per_call'] for o in ours):.0f} us/launch")
+            if any(o.get("host_bound") for o in ours):
+                note += "; host-bound (sleep too short)"
+            result.add(label, [o["median_us"] for o in ours], note, apply_target=True)
+        results.append(result)
+    return results
+
+
+def comm_formula(results: Sequence[CommCaseResult]) -> str:
+    first = results[0] if results else CommCaseResult("", 0, 0, 0, 0, 0, 0, 0, 0)
+    return COMM_FORMULA.format(iters=first.iters, warmup=first.warmup, ranks=first.num_ranks)
+
+
+def comm_results_table(title: str, results: list[CommCaseResult]) -> Table:
+    table = Table(title=title, caption=comm_formula(results))
+    left = ("case", "implementation", "target", "note")
+    for col in ("case", "implementation", "round trip (us)", "remote MB per direction", "GB/s per direction",
+                f"% of {NVLINK_COPY_GBPS:g} GB/s", "target", "met?", "note"):
+        table.add_column(col, justify="left" if col in left else "right")
+    for result in results:
+        for i, m in enumerate(result.measurements):
+            table.add_row(result.case if i == 0 else "", m.impl, fmt(m.round_trip_us, ".1f"),
+                          format(result.remote_bytes / 1e6, ".2f"), fmt(m.gbps, ".0f"),
+                          fmt(None if m.gbps is None else 100 * m.gbps / NVLINK_COPY_GBPS, ".0f"), m.target,
+                          fmt_met(m.met), m.note)
+        table.add_section()
+    return table
+
+
+def comm_report(results: list[CommCaseResult]) -> tuple[dict[str, Any], Table]:
+    """The JSON's fields besides the results, and the table (megamoe.bench.main)."""
+    first = results[0]
+    device = f"{first.num_ranks} x {first.device}"
+    return ({"device": device, "num_ranks": first.num_ranks, "nvlink_copy_gbps": NVLINK_COPY_GBPS,
+             "formula": comm_formula(results)}, comm_results_table(f"megamoe bench comm on {device}", results))
+
+
+# The NCCL baseline ------------------------------------------------------------------------------------------------
+class NcclRoundTrip:
+    """dispatch: all_to_all_single of the per-destination row counts (the split sizes), then of every (token, slot)
+    row grouped by destination rank: FP8 x, its SF, top-k weight and expert id (H + H/32 + 8 B); expert: FP8 ->
+    BF16 of the received rows (stands in for the unit kernel's trivial expert); combine: all_to_all_single of the
+    BF16 rows back and index_add into y [T, H]. Eager: the split sizes go to the host (.tolist(), a sync), as a
+    real system's must; fixed=True: the splits of the first call are reused (capturable; the count exchange
+    still runs)."""
+
+    def __init__(self, x: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 num_ranks: int, num_local_experts: int, group: Any) -> None:
+        self.num_tokens, self.hidden = x.shape
+        self.num_topk = topk_idx.shape[1]
+        self.group = group
+        self.x = x
+        self.xpack = torch.cat([x.view(torch.uint8), x_sf.float().contiguous().view(torch.uint8)], dim=1)
+        meta = torch.stack([topk_weights.float().contiguous().view(torch.int32), topk_idx.to(torch.int32)], dim=-1)
+        self.meta = meta.reshape(-1, 2).contiguous().view(torch.uint8)  # [T * topk, 8]
+        if bool((topk_idx < 0).any()):
+            raise ValueError("the NCCL baseline takes routings without -1 slots")
+        self.dest = topk_idx.reshape(-1).div(num_local_experts, rounding_mode="floor")
+        self.ranks = torch.arange(num_ranks, device=x.device)
+        self.row_bytes = self.xpack.shape[1] + self.meta.shape[1]
+        self.splits: tuple[list[int], list[int]] | None = None
+
+    def dispatch(self, fixed: bool = False) -> tuple:
+        import torch.distributed as dist
+
+        order = torch.argsort(self.dest, stable=True)
+        send_counts = (self.dest[:, None] == self.ranks[None, :]).sum(dim=0)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        if fixed and self.splits is not None:
+            in_splits, out_splits = self.splits
+        else:
+            in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()
+            self.splits = (in_splits, out_splits)
+        send = torch.cat([self.xpack.index_select(0, order // self.num_topk), self.meta.index_select(0, order)],
+                         dim=1)
+        recv = torch.empty(sum(out_splits), self.row_bytes, dtype=torch.uint8, device=send.device)
+        dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
+        return order, recv, in_splits, out_splits
+
+    def expert(self, state: tuple) -> tuple:
+        order, recv, in_splits, out_splits = state
+        return order, recv[:, : self.hidden].view(torch.float8_e4m3fn).to(torch.bfloat16), in_splits, out_splits
+
+    def combine(self, state: tuple) -> torch.Tensor:
+        import torch.distributed as dist
+
+        order, out, in_splits, out_splits = state
+        back = torch.empty(sum(in_splits), self.hidden, dtype=torch.bfloat16, device=out.device)
+        dist.all_to_all_single(back, out, in_splits, out_splits, group=self.group)
+        y = torch.zeros(self.num_tokens, self.hidden, dtype=torch.bfloat16, device=out.device)
+        y.index_add_(0, order // self.num_topk, back)
+        return y
+
+    def stages(self, fixed: bool = False) -> list[Callable[[Any], Any]]:
+        return [lambda _: self.dispatch(fixed), self.expert, self.combine]
+
+    def round_trip(self, fixed: bool = False) -> torch.Tensor:
+        return self.combine(self.expert(self.dispatch(fixed)))
+
+    def check(self) -> str | None:
+        """One eager round trip (fixes the splits); y must be topk x bf16(x) (every slot valid, exact in BF16)."""
+        y = self.round_trip()
+        expected = (self.x.to(torch.bfloat16).float() * self.num_topk).to(torch.bfloat16)
+        if not torch.allclose(y.float(), expected.float(), rtol=1e-2, atol=1e-6):
+            return f"y differs from topk x bf16(x) in {int((y != expected).sum())} of {y.numel()} values"
+        return None
+
+
+# One process per GPU -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CommPlan:
+    cases: tuple[CommCase, ...]
+    warmup: int
+    iters: int
+    seed: int = 0
+
+
+def _phase_barrier(cpu_group: Any) -> None:
+    """Everything this rank launched has finished, and so has every other rank's (before the next phase)."""
+    import torch.distributed as dist
+
+    torch.cuda.synchronize()
+    if cpu_group is not None:
+        dist.barrier(group=cpu_group)
+    else:
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+        torch.cuda.synchronize()
+
+
+def _all_ranks(flag: bool, cpu_group: Any) -> bool:
+    import torch.distributed as dist
+
+    device = "cpu" if cpu_group is not None else "cuda"
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=cpu_group)
+    return bool(value.item())
+
+
+def _comm_case_on_rank(case: CommCase, index: int, plan: CommPlan, rank: int, num_ranks: int, group: Any,
+                       cpu_group: Any) -> dict:
+    import megamoe
+    from megamoe.kernels import dispatch_combine_checks as dcc
+
+    shape, layout = case.shape, case.layout(num_ranks)
+    counts = [case.tokens if r == rank else 0 for r in range(num_ranks)]  # only this rank's inputs are made
+    mine = dcc.random_inputs(layout, counts, "uniform", seed=plan.seed + 7919 * index + rank)[rank]
+    record: dict[str, Any] = {"remote_rows": count_remote_rows(mine.topk_idx, rank, layout.num_local_experts)}
+
+    buf = megamoe.get_symm_buffer(group, shape.num_experts, case.tokens, shape.num_topk, shape.hidden,
+                                  shape.intermediate)
+    dcc.load_inputs(buf, mine)
+    staged = [t.to(buf.device) for t in (mine.x, mine.x_sf, mine.topk_idx, mine.topk_weights)]
+    baseline = NcclRoundTrip(*staged, num_ranks, layout.num_local_experts, group)
+    error = baseline.check()
+    if error:
+        raise RuntimeError(f"rank {rank} {case.name}: NCCL baseline: {error}")
+    _phase_barrier(cpu_group)
+
+    # Phase 1: NCCL, eager (split sizes through the host)
+    total, dispatch_us, _, combine_us = time_stages_us(baseline.stages(), warmup=plan.warmup, iters=plan.iters)
+    record["nccl_eager"] = {"round_trip_us": total, "dispatch_us": dispatch_us, "combine_us": combine_us}
+    _phase_barrier(cpu_group)
+
+    # Phase 2: NCCL, fixed splits, CUDA graph where the capture works (every rank must agree), else eager
+    note = ""
+    try:
+        replay: Callable[[], Any] | None = graphed(lambda: baseline.round_trip(fixed=True),
+                                                   capture_error_mode="thread_local")
+    except Exception as exc:
+        replay, note = None, f"rank {rank}: {first_line(exc)}"
+    torch.cuda.synchronize()
+    captured = _all_ranks(replay is not None, cpu_group)
+    if not captured:
+        replay = lambda: baseline.round_trip(fixed=True)  # noqa: E731
+        note = note or "failed on another rank"
+    _phase_barrier(cpu_group)
+    assert replay is not None
+    record["nccl_graphed"] = {"graphed": captured, "note": note,
+                              **time_queued_us(replay, warmup=plan.warmup, iters=plan.iters)}
+    del replay
+    _phase_barrier(cpu_group)
+
+    # Phase 3: ours, every variant on the same buffer and inputs, each in a phase of its own
+    for key, preset, _ in COMM_VARIANTS:
+        record[key] = dcc.bench_round_trip(buf, case.tokens, block_m=comm_block_m(case, num_ranks),
+                                          knobs=comm_variant_knobs(preset), num_warmup=plan.warmup,
+                                          num_iters=plan.iters)
+        _phase_barrier(cpu_group)
+    buf.destroy()
+    del baseline, staged
+    torch.cuda.empty_cache()
+    return record
+
+
+def _comm_worker(rank: int, num_ranks: int, port: int, plan: CommPlan, results: Any, backend: str = "nccl",
+                 case_fn: Callable[..., dict] | None = None) -> None:
+    """One rank: time every case (case_fn: _comm_case_on_rank), gather the records on rank 0, which assembles the
+    results; report (rank, results or None, error or None) on `results` and leave. backend="gloo" and a fake
+    case_fn run the harness on a CPU (tests)."""
+    from megamoe.buffer import NO_MULTICAST_ENV
+
+    os.environ.update(NO_MULTICAST_ENV)  # before any NCCL / symmetric-memory initialization (DESIGN 6)
+    payload, error = None, None
+    try:
+        import sys
+
+        import torch.distributed as dist
+
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+        group = dist.group.WORLD
+        cpu_group: Any = group
+        if backend == "nccl":
+            import torch.distributed._symmetric_memory as symm_mem
+
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch, a no-op since
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    symm_mem.enable_symm_mem_for_group(group.group_name)
+            try:
+                cpu_group = dist.new_group(backend="gloo")  # barriers and gathers that launch nothing on the GPU
+            except Exception:
+                cpu_group = None
+        case_fn = case_fn or _comm_case_on_rank
+        records = []
+        for index, case in enumerate(plan.cases):
+            started = time.perf_counter()
+            records.append(case_fn(case, index, plan, rank, num_ranks, group, cpu_group))
+            if rank == 0:
+                print(f"megamoe bench comm: {case.name} done in {time.perf_counter() - started:.1f} s",
+                      file=sys.stderr, flush=True)
+        gathered: list | None = [None] * num_ranks if rank == 0 else None
+        dist.gather_object(records, gathered, dst=0, group=cpu_group)
+        if rank == 0:
+            assert gathered is not None
+            device = torch.cuda.get_device_name() if backend == "nccl" else "cpu"
+            payload = assemble_comm_results(plan.cases, gathered, num_ranks, device=device, warmup=plan.warmup,
+                                            iters=plan.iters)
+    except BaseException:
+        error = f"rank {rank} raised:\n{traceback.format_exc()}"
+    # One report per rank, then leave without interpreter teardown (as the multigpu tests do)
+    results.put((rank, payload, error))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bench_comm(tokens: Sequence[int] = COMM_TOKENS, *, warmup: int = 10, iters: int = 50,
+               shapes: Sequence[CommShape] = COMM_SHAPES, seed: int = 0,
+               timeout_s: float = 480.0) -> list[CommCaseResult]:
+    """Spawn one process per visible GPU; rank 0 gathers every rank's timings and returns the results."""
+    from megamoe.buffer import NO_MULTICAST_ENV
+
+    check_comm_options(tokens, warmup, iters)
+    num_ranks = comm_num_ranks(torch.cuda.device_count(), shapes)
+    plan = CommPlan(tuple(comm_cases(tokens, shapes)), warmup, iters, seed)
+    precompile_comm([num_ranks], tokens, shapes)  # once here (cache hits when warmed), not in every rank at once
+    os.environ.update(NO_MULTICAST_ENV)  # inherited by the spawned ranks too
+    return spawn_comm_ranks(num_ranks, plan, timeout_s=timeout_s)
+
+
+def spawn_comm_ranks(num_ranks: int, plan: CommPlan, *, backend: str = "nccl",
+                     case_fn: Callable[..., dict] | None = None, timeout_s: float = 1200.0,
+                     grace_s: float = 30.0) -> list[CommCaseResult]:
+    """Run _comm_worker in num_ranks spawned processes; rank 0's assembled results. Raises RuntimeError with every
+    rank's traceback when one fails; ranks still running grace_s after a failure (waiting in a collective for the
+    failed one) are killed, as are all of them after timeout_s."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_comm_worker, args=(rank, num_ranks, port, plan, results, backend, case_fn),
+                         daemon=True) for rank in range(num_ranks)]
+    for proc in procs:
+        proc.start()
+    reports: dict[int, tuple[Any, str | None]] = {}
+    problems: list[str] = []
+    deadline, grace = time.monotonic() + timeout_s, None
+    try:
+        while len(reports) < num_ranks:
+            try:
+                rank, payload, error = results.get(timeout=1.0)
+            except queue_module.Empty:
+                now = time.monotonic()
+                missing = sorted(set(range(num_ranks)) - reports.keys())
+                dead = [r for r in missing if not procs[r].is_alive()]
+                if dead:
+                    problems.append(f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without "
+                                    f"reporting")
+                    break
+                if now > deadline:
+                    problems.append(f"ranks {missing} did not report within {timeout_s:.0f} s (hang?); killed")
+                    break
+                if grace is not None and now > grace:
+                    problems.append(f"ranks {missing} still running {grace_s:.0f} s after a failure (waiting in a "
+                                    f"collective?); killed")
+                    break
+                continue
+            reports[rank] = (payload, error)
+            if error and grace is None:
+                grace = time.monotonic() + grace_s
+    finally:
+        for proc in procs:
+            proc.join(30 if len(reports) == num_ranks else 1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+    problems = [err for _, (_, err) in sorted(reports.items()) if err] + problems
+    if problems:
+        raise RuntimeError("megamoe bench comm failed:\n" + "\n".join(problems))
+    return reports[0][0]
