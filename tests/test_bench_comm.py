@@ -19,37 +19,20 @@ from megamoe.layout import SymmLayout  # noqa: E402
 H4096, H7168 = bench_comm.COMM_SHAPES
 
 
-def _bench_args(argv: list[str]):
-    """The parsed `megamoe bench ...` namespace (what cli.main would hand _cmd_bench)."""
-    captured = {}
-
-    def fake(args):
-        captured["args"] = args
-        return 0
-
-    original = cli._cmd_bench
-    cli._cmd_bench = fake
-    try:
-        cli.main(["bench", *argv])
-    finally:
-        cli._cmd_bench = original
-    return captured["args"]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def test_cli_defaults_and_options() -> None:
-    assert cli.bench_options(_bench_args(["comm"])) == {"tokens": [8, 128, 4096], "warmup": 10, "iters": 50}
-    assert cli.bench_options(_bench_args(["comm", "--tokens", "128,4096", "--iters", "40", "--warmup", "3"])) == {
+    assert cli.bench_options(cli.parse_args(["bench", "comm"])) == {"tokens": [8, 128, 4096], "warmup": 10, "iters": 50}
+    assert cli.bench_options(cli.parse_args(["bench", "comm", "--tokens", "128,4096", "--iters", "40", "--warmup", "3"])) == {
         "tokens": [128, 4096], "warmup": 3, "iters": 40}
-    assert cli.bench_options(_bench_args(["comm", "--compile-only"])) == {"tokens": [8, 128, 4096],
+    assert cli.bench_options(cli.parse_args(["bench", "comm", "--compile-only"])) == {"tokens": [8, 128, 4096],
                                                                            "ranks": [2, 4, 8]}
-    assert cli.bench_options(_bench_args(["comm", "--compile-only", "--ranks", "2", "--tokens", "8"])) == {
+    assert cli.bench_options(cli.parse_args(["bench", "comm", "--compile-only", "--ranks", "2", "--tokens", "8"])) == {
         "tokens": [8], "ranks": [2]}
-    assert cli.bench_options(_bench_args(["gemm"])) == {}
+    assert cli.bench_options(cli.parse_args(["bench", "gemm"])) == {}
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -65,9 +48,9 @@ def test_cli_defaults_and_options() -> None:
 ])
 def test_cli_rejects(argv: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        cli.bench_options(_bench_args(argv))
+        cli.bench_options(cli.parse_args(["bench"] + argv))
     with pytest.raises(SystemExit, match=match):  # _cmd_bench turns it into a clean exit
-        cli._cmd_bench(_bench_args(argv))
+        cli._cmd_bench(cli.parse_args(["bench"] + argv))
 
 
 def test_cli_rejects_unknown_bench() -> None:

@@ -20,22 +20,6 @@ from megamoe.kernels import catalog  # noqa: E402
 DECODE, PREFILL = bench_ffn.FFN_CASES
 
 
-def _bench_args(argv: list[str]):
-    captured = {}
-
-    def fake(args):
-        captured["args"] = args
-        return 0
-
-    original = cli._cmd_bench
-    cli._cmd_bench = fake
-    try:
-        cli.main(["bench", *argv])
-    finally:
-        cli._cmd_bench = original
-    return captured["args"]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Cases, accounting, targets
 # ---------------------------------------------------------------------------------------------------------------
@@ -139,18 +123,18 @@ def test_table_missed_target_and_untimed_rows() -> None:
 
 
 def test_cli_accepts_ffn() -> None:
-    args = _bench_args(["ffn"])
+    args = cli.parse_args(["bench", "ffn"])
     assert args.name == "ffn" and cli.bench_options(args) == {}
-    assert cli.bench_options(_bench_args(["ffn", "--json", "x.json"])) == {}
+    assert cli.bench_options(cli.parse_args(["bench", "ffn", "--json", "x.json"])) == {}
     assert bench.resolve(bench.BENCHES["ffn"]) is bench_ffn.bench_ffn
 
 
 @pytest.mark.parametrize("argv", [["ffn", "--tokens", "8"], ["ffn", "--compile-only"], ["ffn", "--iters", "3"]])
 def test_cli_rejects_comm_options(argv: list[str]) -> None:
     with pytest.raises(ValueError, match="only apply to `megamoe bench comm`"):
-        cli.bench_options(_bench_args(argv))
+        cli.bench_options(cli.parse_args(["bench"] + argv))
     with pytest.raises(SystemExit, match="only apply"):
-        cli._cmd_bench(_bench_args(argv))
+        cli._cmd_bench(cli.parse_args(["bench"] + argv))
 
 
 def test_main_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

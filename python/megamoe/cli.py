@@ -82,7 +82,8 @@ def _cmd_jit(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line (its `fn` runs the command)."""
     parser = argparse.ArgumentParser(prog="megamoe", description="fused expert-parallel FP8 MoE for SM90")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="GPU, SMs, toolchain and JIT cache").set_defaults(fn=_cmd_info)
@@ -114,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     jit.add_argument("--check", action="store_true", help="also apply the compile checks of DESIGN section 3")
     jit.set_defaults(fn=_cmd_jit)
 
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     return args.fn(args)
 
 
