@@ -5,7 +5,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export MEGAMOE_JIT_CACHE_DIR="${MEGAMOE_JIT_CACHE_DIR:-$PWD/.jit-cache}"
+if [ -z "${MEGAMOE_JIT_CACHE_DIR:-}" ]; then  # the carried cache (scripts/make_jit_carry.sh) when present
+  if [ -d "$PWD/.jit-carry" ]; then MEGAMOE_JIT_CACHE_DIR="$PWD/.jit-carry"; else MEGAMOE_JIT_CACHE_DIR="$PWD/.jit-cache"; fi
+fi
+export MEGAMOE_JIT_CACHE_DIR
 # NVLink multicast stays off (DESIGN section 6); the bench sets these in every rank as well
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LOG_DIR="${OUT:-$PWD/.gpu-logs}"

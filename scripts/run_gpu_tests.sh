@@ -4,7 +4,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export MEGAMOE_JIT_CACHE_DIR="${MEGAMOE_JIT_CACHE_DIR:-$PWD/.jit-cache}"
+# The carried cache: .jit-carry (scripts/make_jit_carry.sh) when present, else .jit-cache
+if [ -z "${MEGAMOE_JIT_CACHE_DIR:-}" ]; then
+  if [ -d "$PWD/.jit-carry" ]; then MEGAMOE_JIT_CACHE_DIR="$PWD/.jit-carry"; else MEGAMOE_JIT_CACHE_DIR="$PWD/.jit-cache"; fi
+fi
+export MEGAMOE_JIT_CACHE_DIR
 # NVLink multicast stays off (DESIGN section 6)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # Host C++ built there must use the system compiler (the image's /opt/gcc build segfaulted at iostream use)
