@@ -11,6 +11,7 @@
 
 #include "common/fence.cuh"
 #include "common/sync.cuh"
+#include "common/warp_roles.cuh"
 #include "epilogue/l1_epilogue.cuh"
 #include "epilogue/l2_epilogue.cuh"
 #include "expert_ffn_scheduler.cuh"
@@ -19,18 +20,10 @@
 
 namespace megamoe::assembler {
 
-constexpr uint32_t kNumThreads = 384;
-constexpr uint32_t kNumProducerRegs = 40;
-constexpr uint32_t kNumMathRegs = 224;
-constexpr uint32_t kTmaAWarpIdx = 2;
-constexpr uint32_t kTmaBWarpIdx = 3;
-constexpr uint32_t kFirstMathThread = 128;
-constexpr uint32_t kSmemLimit = 232448;
 // Named barriers among the math threads (0 is __syncthreads)
 constexpr uint32_t kL1StoreBarrierIdx = 1;      // L1 staging written -> one thread issues the TMA stores
 constexpr uint32_t kStagingFreeBarrierIdx = 2;  // every reader of the shared staging area is done with it
 constexpr uint32_t kL2StagedBarrierIdx = 3;     // L2 staging written -> rows copied out
-static_assert(kNumProducerRegs * 128 + kNumMathRegs * 256 <= 65536, "register file after setmaxnreg");
 
 // A phase's GEMM traits with the shared-memory carve-up both phases use for their one ring: SFA stages sized
 // for L2's two per-64 SFs per K block (L1 fills the first BLOCK_M floats), the barriers after them. Same A and B

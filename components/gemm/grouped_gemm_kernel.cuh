@@ -8,17 +8,12 @@
 
 #include "common/fence.cuh"
 #include "common/sync.cuh"
+#include "common/warp_roles.cuh"
 #include "gemm/consumer.cuh"
 #include "gemm/producer.cuh"
 #include "gemm/tile_scheduler.cuh"
 
 namespace megamoe::gemm {
-
-constexpr uint32_t kNumThreads = 384;
-constexpr uint32_t kNumProducerRegs = 40;
-constexpr uint32_t kNumMathRegs = 224;
-constexpr uint32_t kTmaAWarpIdx = 2;
-constexpr uint32_t kTmaBWarpIdx = 3;
 
 // Store the accumulator as BF16, rows below `num_valid_rows` only (padding rows never written).
 template <typename T>

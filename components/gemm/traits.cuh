@@ -1,7 +1,7 @@
 // Compile-time shape of the FP8 grouped GEMM: tile sizes, scale-factor modes, shared-memory carve-up.
 #pragma once
 
-#include "common/utils.cuh"
+#include "common/warp_roles.cuh"
 
 namespace megamoe::gemm {
 
@@ -55,7 +55,7 @@ struct GemmTraits {
     static constexpr uint32_t kOffsetSfa = kOffsetB + kNumStages * kStageBytesB;
     static constexpr uint32_t kOffsetBarriers = kOffsetSfa + kNumStages * kStageBytesSfa;
     static constexpr uint32_t kSmemBytes = kOffsetBarriers + 2 * kNumStages * 8;
-    static_assert(kSmemBytes <= 232448, "shared memory over the SM90 per-block limit");
+    static_assert(kSmemBytes <= kSmemLimit, "shared memory over the SM90 per-block limit");
 };
 
 // Pointers into the dynamic shared memory for one set of traits.

@@ -38,7 +38,8 @@ from rich.table import Table
 from megamoe import envs
 from megamoe.layout import BLOCK_M_CANDIDATES, align, validate_moe_shape
 
-SMEM_CAPACITY_BYTES = 232448  # SM90 maximum dynamic shared memory per block (227 KB)
+SMEM_CAPACITY_BYTES = 232448  # SM90 maximum dynamic shared memory per block (227 KB); kSmemLimit on device
+NUM_THREADS = 384  # threads of every fused-layout kernel: kNumThreads of components/common/warp_roles.cuh
 MAX_NUM_STAGES = 8
 MIN_NUM_STAGES = 3
 BLOCK_N = 128

@@ -14,16 +14,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from megamoe.heuristics import MAX_NUM_STAGES, MIN_NUM_STAGES, NUM_THREADS
+from megamoe.heuristics import SMEM_CAPACITY_BYTES as SMEM_LIMIT
 from megamoe.jit import compiler
 from megamoe.jit.compiler import CompileResult
 
 if TYPE_CHECKING:
     from megamoe.reference import RankIntermediates
 
-NUM_THREADS = 384
-SMEM_LIMIT = 232448
-MAX_NUM_STAGES = 8
-MIN_NUM_STAGES = 3
+
 BLOCK_N = BLOCK_K = 128
 L1_OUTPUT_COLS = 64  # one interleaved 128-column L1 tile yields 64 output columns
 MBARRIER_BYTES = 8
@@ -128,7 +127,7 @@ using Traits = megamoe::assembler::ExpertFfnTraits<{config.block_m}, {config.num
 static_assert(Traits::kSmemBytes == {config.smem_bytes}, "host and device disagree on the shared-memory size");
 static_assert(Traits::kOffsetStaging == {config.staging_offset}, "host and device disagree on the staging offset");
 
-extern "C" __global__ void __launch_bounds__(megamoe::assembler::kNumThreads, 1)
+extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
 {config.name}(const __grid_constant__ CUtensorMap tensor_map_l1_a,
               const __grid_constant__ CUtensorMap tensor_map_l1_sfa,
               const __grid_constant__ CUtensorMap tensor_map_w1,

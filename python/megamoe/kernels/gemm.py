@@ -8,11 +8,11 @@ from typing import Literal
 
 import torch
 
+from megamoe.heuristics import MAX_NUM_STAGES, MIN_NUM_STAGES, NUM_THREADS
+from megamoe.heuristics import SMEM_CAPACITY_BYTES as SMEM_LIMIT
 from megamoe.jit import compiler
 from megamoe.jit.compiler import CompileResult
 
-NUM_THREADS = 384
-SMEM_LIMIT = 232448
 BLOCK_N = BLOCK_K = 128
 Mode = Literal["l1", "l2"]
 
@@ -37,8 +37,8 @@ class GemmConfig:
             raise ValueError(f"n must be a multiple of {256 if self.mode == 'l1' else 128} and k of 128, "
                              f"got n={self.n} k={self.k}")
         if self.num_stages == 0:
-            object.__setattr__(self, "num_stages", min(8, (SMEM_LIMIT - 1024) // self.stage_bytes))
-        if self.num_stages < 3 or self.smem_bytes > SMEM_LIMIT:
+            object.__setattr__(self, "num_stages", min(MAX_NUM_STAGES, (SMEM_LIMIT - 1024) // self.stage_bytes))
+        if self.num_stages < MIN_NUM_STAGES or self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"{self}: {self.num_stages} stages need {self.smem_bytes} B of shared memory")
 
     @property
@@ -74,7 +74,7 @@ using Traits = megamoe::gemm::GemmTraits<{config.block_m}, {config.num_stages}, 
                                          {config.n}, {config.k}>;
 static_assert(Traits::kSmemBytes == {config.smem_bytes}, "host and device disagree on the shared-memory size");
 
-extern "C" __global__ void __launch_bounds__(megamoe::gemm::kNumThreads, 1)
+extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
 {config.name}(const __grid_constant__ CUtensorMap tensor_map_a, const __grid_constant__ CUtensorMap tensor_map_sfa,
               const __grid_constant__ CUtensorMap tensor_map_b, const float* w_sf, const int* num_tokens_per_expert,
               __nv_bfloat16* d, const megamoe::DeviceEnv env) {{
