@@ -31,7 +31,7 @@ def test_checks_flag_every_rule() -> None:
     functions, warnings = compiler.parse_ptxas_report(PTXAS_LOG)
     sass = "\tFunction : k\n        /*0000*/ STL [R1], R2 ;\n        /*0010*/ EXIT ;\n"
     result = compiler.CompileResult(name="k", key="0", cubin_path=Path("x"), source_path=Path("x"),
-                                    ptxas_log=PTXAS_LOG, functions=functions, warnings=warnings, sass=sass,
+                                    ptxas_log=PTXAS_LOG, functions=functions, warnings=warnings, sass_text=sass,
                                     cache_hit=True, compile_seconds=0.0)
     found = "\n".join(checks.violations(result, checks.CheckOptions(expect_qgmma=True)))
     for needle in ("spills", "stack frame", "setmaxnreg ignored", "LDL/STL", "no QGMMA"):

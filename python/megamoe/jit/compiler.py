@@ -62,10 +62,26 @@ class CompileResult:
     ptxas_log: str
     functions: tuple[FunctionReport, ...]
     warnings: tuple[str, ...]
-    sass: str | None
     cache_hit: bool
     compile_seconds: float
     command: tuple[str, ...] = field(default=(), repr=False)
+    sass_text: str | None = field(default=None, repr=False)  # given directly, else loaded by `sass` on demand
+
+    @functools.cached_property
+    def sass(self) -> str | None:
+        """The cubin's SASS (None without cuobjdump). Disassembled on first use only — the compile checks need
+        it, a launch does not — and kept beside the cubin (kernel.sass) for the next reader."""
+        if self.sass_text is not None:
+            return self.sass_text
+        sass_path = self.cubin_path.with_name("kernel.sass")
+        if sass_path.exists():
+            return sass_path.read_text()
+        sass = disassemble(self.cubin_path)
+        if sass is not None:
+            tmp = sass_path.with_name(f".kernel.sass.{uuid.uuid4().hex}")
+            tmp.write_text(sass)
+            os.replace(tmp, sass_path)
+        return sass
 
     @property
     def entry(self) -> FunctionReport:
@@ -176,17 +192,9 @@ def disassemble(cubin_path: Path) -> str | None:
 def _load_entry(name: str, key: str, entry_dir: Path, cache_hit: bool) -> CompileResult:
     meta = json.loads((entry_dir / "build.json").read_text())
     functions, warnings = parse_ptxas_report(meta["ptxas_log"])
-    sass_path = entry_dir / "kernel.sass"
-    if not sass_path.exists():  # filled later on a machine that has cuobjdump
-        sass = disassemble(entry_dir / "kernel.cubin")
-        if sass is not None:
-            tmp = entry_dir / f".kernel.sass.{uuid.uuid4().hex}"
-            tmp.write_text(sass)
-            os.replace(tmp, sass_path)
     return CompileResult(
         name=name, key=key, cubin_path=entry_dir / "kernel.cubin", source_path=entry_dir / "kernel.cu",
-        ptxas_log=meta["ptxas_log"], functions=functions, warnings=warnings,
-        sass=sass_path.read_text() if sass_path.exists() else None, cache_hit=cache_hit,
+        ptxas_log=meta["ptxas_log"], functions=functions, warnings=warnings, cache_hit=cache_hit,
         compile_seconds=meta["compile_seconds"], command=tuple(meta["command"]),
     )
 
@@ -221,9 +229,6 @@ def build(name: str, source: str, extra_flags: tuple[str, ...] = ()) -> CompileR
         meta = {"name": name, "key": key, "command": list(command), "ptxas_log": log, "compile_seconds": seconds,
                 "nvcc_version": nvcc_version(), "host": socket.gethostname(), "time": time.time()}
         (tmp_dir / "build.json").write_text(json.dumps(meta, indent=1))
-        sass = disassemble(tmp_dir / "kernel.cubin")
-        if sass is not None:
-            (tmp_dir / "kernel.sass").write_text(sass)
         try:
             os.rename(tmp_dir, entry_dir)
         except OSError:  # another process published the same entry first: use theirs
