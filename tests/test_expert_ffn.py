@@ -18,6 +18,7 @@ from megamoe import reference as ref  # noqa: E402
 from megamoe.jit import checks  # noqa: E402
 from megamoe.kernels import catalog  # noqa: E402
 from megamoe.kernels import expert_ffn as ef  # noqa: E402
+from megamoe.kernels import expert_ffn_checks as efc  # noqa: E402
 
 from test_expert_ffn_gpu import check_exact, check_random  # noqa: E402
 
@@ -70,8 +71,10 @@ def test_routing_with_counts(counts: list[int], topk: int) -> None:
     assert bool(((idx >= 0).sum(dim=1) <= topk - 1).all()), "one slot stays free"
 
 
-def _problem(block_m: int, small_int: bool, clamp: bool, fast_math: bool, seed: int = 3) -> ef.FfnProblem:
-    config = ef.ExpertFfnConfig(block_m, 256, 256, len(COUNTS), clamp, fast_math, debug_l1_acc=small_int)
+def _problem(block_m: int, small_int: bool, clamp: bool, fast_math: bool, seed: int = 3,
+             debug: bool | None = None) -> ef.FfnProblem:
+    debug = small_int if debug is None else debug
+    config = ef.ExpertFfnConfig(block_m, 256, 256, len(COUNTS), clamp, fast_math, debug_l1_acc=debug)
     return ef.make_problem(config, COUNTS, small_int=small_int, activation_clamp="auto" if clamp else None,
                            seed=seed, device="cpu")
 
@@ -87,16 +90,16 @@ def test_checks_accept_the_reference(block_m: int, small_int: bool, clamp: bool,
     if clamp:  # the clamp must bite: a good share of gate / up values beyond it
         acc = torch.cat([e.l1_acc for e in problem.reference.experts])
         assert 0.05 < (acc.abs() > problem.activation_clamp).float().mean() < 0.95
-    report = ef.compare(problem, ef.expected_outputs(problem))
-    (check_exact if small_int else check_random)(report, *([fast_math] if small_int else []))
-    assert report.code_steps[1:] == [0, 0] and report.out_mismatches == 0 and report.out_rel_l2 == 0.0
+    report = efc.compare(problem, efc.expected_outputs(problem))
+    (check_exact if small_int else check_random)(report, fast_math)
+    assert report.codes.steps[1:] == [0, 0] and report.out_mismatches == 0 and report.out_rel_l2 == 0.0
 
 
 def _emulate(problem: ef.FfnProblem, noise: float, seed: int = 0) -> ef.FfnOutputs:
     """A kernel whose L1 accumulators carry Gaussian errors of `noise` x their RMS (the tensor cores' accumulation
-    error), everything after them exact."""
+    error), everything after them exact (debug variants: the noisy accumulators are written too)."""
     generator = torch.Generator().manual_seed(seed)
-    outputs = ef.expected_outputs(problem)
+    outputs = efc.expected_outputs(problem)
     for e, inter in enumerate(problem.reference.experts):
         if problem.counts[e] == 0:
             continue
@@ -108,17 +111,44 @@ def _emulate(problem: ef.FfnProblem, noise: float, seed: int = 0) -> ef.FfnOutpu
         rows = problem.rows(e)
         outputs.l2_acts.view(torch.uint8)[rows] = q.view(torch.uint8)
         outputs.l2_acts_sf[:, rows] = sf.t()
+        if outputs.l1_acc is not None:
+            outputs.l1_acc[rows] = h
         w2_scales = ref._l2_scales(problem.inputs.w2_sf[e])
         outputs.out[rows] = ref.block_scaled_matmul(q, sf, problem.inputs.w2[e], w2_scales, 64).to(torch.bfloat16)
     return outputs
 
 
-def test_random_checks_accept_emulated_accumulation_error() -> None:
-    problem = _problem(64, small_int=False, clamp=True, fast_math=False)
-    report = ef.compare(problem, _emulate(problem, 1.5e-4))
+@pytest.mark.parametrize("debug", [False, True])
+def test_random_checks_accept_emulated_accumulation_error(debug: bool) -> None:
+    problem = _problem(64, small_int=False, clamp=True, fast_math=False, debug=debug)
+    report = efc.compare(problem, _emulate(problem, 1.5e-4))
     print(report.summary())
-    assert report.code_steps[1] > 0
-    check_random(report)
+    assert report.codes.steps[1] > 0
+    assert (report.own_codes is not None) == debug
+    if debug:  # the epilogue on its own accumulators is exact here
+        assert report.own_codes.steps[1:] == [0, 0] and report.own_codes.sf_mismatches == 0
+    check_random(report, False)
+
+
+def test_epilogue_check_catches_what_accumulation_noise_hides() -> None:
+    """A small code moved by two steps hides in check 1's allowance for the GEMM's error; against the epilogue of
+    the kernel's own accumulators it cannot."""
+    problem = _problem(64, small_int=False, clamp=True, fast_math=False, debug=True)
+    outputs = _emulate(problem, 1.5e-4)
+    report = efc.compare(problem, outputs)
+    assert report.own_codes.steps[2] == 0
+    rows = problem.rows(4)
+    codes = outputs.l2_acts.view(torch.uint8)[rows]
+    small = ((codes & 0x7F) > 2) & ((codes & 0x7F) < 8)    # a subnormal code: two steps is < 1e-5 amax
+    row, col = (int(i) for i in small.nonzero()[0])
+    codes[row, col] -= 2
+    _recompute_out(problem, outputs, 4)
+    report = efc.compare(problem, outputs)
+    assert report.own_codes.steps[2] == 1
+    with pytest.raises(AssertionError, match="more than 1 step"):
+        check_random(report, False)
+    report.own_codes = None  # without the accumulators, check 1 alone lets it pass
+    check_random(report, False)
 
 
 def _recompute_out(p: ef.FfnProblem, o: ef.FfnOutputs, expert: int) -> None:
@@ -179,13 +209,13 @@ def _corruptions() -> dict:
 def test_checks_reject_bugs(corruption: str) -> None:
     for small_int in (True, False):
         problem = _problem(32, small_int, clamp=False, fast_math=False)
-        outputs = ef.expected_outputs(problem)
+        outputs = efc.expected_outputs(problem)
         if corruption == "l1_acc_ulp" and not small_int:
             continue
         _corruptions()[corruption](problem, outputs)
-        report = ef.compare(problem, outputs)
+        report = efc.compare(problem, outputs)
         with pytest.raises(AssertionError):
-            (check_exact if small_int else check_random)(report, *([False] if small_int else []))
+            (check_exact if small_int else check_random)(report, False)
 
 
 def test_validate_rejects_bad_arguments() -> None:
