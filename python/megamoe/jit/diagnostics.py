@@ -77,3 +77,26 @@ def timeout_records() -> TimeoutRecords:
     if _records is None:
         _records = TimeoutRecords()
     return _records
+
+
+class PhaseTimes:
+    """The buffer of components/common/phase_timer.cuh: PhaseTimer for one launch. `names` label the phases in the
+    order the kernel marks them; after the launch, `durations_us()` gives each phase's span from the previous
+    phase's latest end (the first: from the earliest end of phase 0, which the kernel marks at its start)."""
+
+    def __init__(self, names: tuple[str, ...], device: object) -> None:
+        import torch
+
+        self.names = names
+        self.times = torch.zeros(len(names), 2, dtype=torch.int64, device=device)
+        self.times[:, 0] = -1  # u64 ~0 for the atomicMin
+
+    @property
+    def device_ptr(self) -> int:
+        return self.times.data_ptr()
+
+    def ends_us(self) -> list[tuple[str, float, float]]:
+        """(phase, earliest end, latest end) in us after the earliest start."""
+        t = self.times.cpu().tolist()
+        start = t[0][0]
+        return [(name, (lo - start) / 1e3, (hi - start) / 1e3) for name, (lo, hi) in zip(self.names, t)]

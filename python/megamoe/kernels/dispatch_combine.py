@@ -48,6 +48,7 @@ from megamoe.layout import BLOCK_M_CANDIDATES, MAX_RANKS, SymmLayout, align
 
 if TYPE_CHECKING:
     from megamoe.buffer import SymmBuffer
+    from megamoe.jit.diagnostics import PhaseTimes
 
 NUM_THREADS = 384
 NUM_WARPS = NUM_THREADS // 32
@@ -60,6 +61,9 @@ LEGACY_KNOBS: dict[str, Any] = {"pull_stages": 1, "pull_warps": NUM_WARPS, "comb
 # What the fused kernel will have: 2 dispatch warps per CTA, so more rows in flight per warp
 FUSED_PULL_KNOBS: dict[str, Any] = {"pull_warps": 2, "pull_stages": 4}
 DEBUG_HANG_AT_DISPATCH_BARRIER = 1  # kernel debug flag: the first NVLink barrier waits for an unreachable value
+# The phases the unit kernel marks when given a PhaseTimes buffer (run(..., phase_times=)), in order
+PHASES = ("start", "count+notify", "dispatch barrier", "recv table", "pull", "expert+scatter", "combine barrier",
+          "reduce")
 
 
 class SymBufferStruct(ctypes.Structure):
@@ -205,6 +209,7 @@ ${layout_header}
 #include "common/grid_sync.cuh"
 #include "common/mbarrier.cuh"
 #include "common/nvlink_barrier.cuh"
+#include "common/phase_timer.cuh"
 #include "combine/clean.cuh"
 #include "combine/reduce.cuh"
 #include "combine/scatter.cuh"
@@ -342,7 +347,8 @@ __device__ __forceinline__ void trivial_expert(const DeviceEnv& env, const SymBu
 
 extern "C" __global__ void __launch_bounds__(megamoe::unit::kNumThreads, 1)
 ${name}(const __grid_constant__ megamoe::SymBuffer sym, uint32_t num_tokens, __nv_bfloat16* y,
-        int32_t* recv_stats, uint32_t debug_flags, const megamoe::DeviceEnv env) {
+        int32_t* recv_stats, uint32_t debug_flags, const megamoe::DeviceEnv env,
+        unsigned long long* phase_times) {
     using namespace megamoe;
     using namespace megamoe::unit;
     extern __shared__ __align__(1024) uint8_t smem[];
@@ -350,6 +356,9 @@ ${name}(const __grid_constant__ megamoe::SymBuffer sym, uint32_t num_tokens, __n
     const uint32_t cta_idx = blockIdx.x, num_ctas = gridDim.x;
     const uint32_t warp_rank = cta_idx * kNumWarps + warp, num_warps = num_ctas * kNumWarps;
     const bool is_pull_warp = warp < kPullWarps;
+    // PHASES (dispatch_combine.py) in this order; off unless the launch passes a buffer
+    const PhaseTimer timer{phase_times};
+    timer.mark(0, lane);
     const uint32_t pull_warp_rank = cta_idx * kPullWarps + warp, num_pull_warps = num_ctas * kPullWarps;
 
     auto* expert_count = reinterpret_cast<uint32_t*>(smem + kSmemExpertCountOffset);
@@ -388,6 +397,7 @@ ${name}(const __grid_constant__ megamoe::SymBuffer sym, uint32_t num_tokens, __n
 
     // Dispatch: count, reserve slots, write the source indices and counts to the destination ranks
     dispatch::count_and_notify<kNumThreads>(sym, num_tokens, expert_count, cta_idx, num_ctas, thread_idx, sync_cta);
+    timer.mark(1, lane);
     const bool hang = (debug_flags & kDebugHangAtDispatchBarrier) != 0;
     if constexpr (kLeanSync) {
         nvlink_barrier_polled(env, BarrierTags{"gs0_dispatch", "nvl_dispatch", ""}, sym, words, nvl_ordinal, cta_idx,
@@ -396,6 +406,7 @@ ${name}(const __grid_constant__ megamoe::SymBuffer sym, uint32_t num_tokens, __n
         nvlink_barrier(env, BarrierTags{"gs0_dispatch", "nvl_dispatch", "gs1_dispatch"}, sym, words, cta_idx,
                        num_ctas, thread_idx, sync_cta, true, hang);
     }
+    timer.mark(2, lane);
 
     // Receive table (every CTA), recv stats (CTA 0)
     if constexpr (kTablePrefetch) {
@@ -407,6 +418,7 @@ ${name}(const __grid_constant__ megamoe::SymBuffer sym, uint32_t num_tokens, __n
     __syncthreads();
     if (cta_idx == 0)
         dispatch::add_recv_stats<kNumThreads>(table, recv_stats, thread_idx);
+    timer.mark(3, lane);
 
     // Pull the received rows into the pool, then run the expert on them
     if (is_pull_warp) {
@@ -420,8 +432,10 @@ ${name}(const __grid_constant__ megamoe::SymBuffer sym, uint32_t num_tokens, __n
                                                     smem + kSmemPullOffset + warp * dispatch::kPullRowBytes,
                                                     pull_barriers, pull_phase, pull_warp_rank, num_pull_warps);
         }
+        timer.mark(4, lane);
     }
     trivial_expert(env, sym, table, warp_rank, num_warps);
+    timer.mark(5, lane);
 
     if constexpr (kLeanSync) {
         // One grid sync: CTA 0 zeroes the receive counts before it signals, every CTA the local counters while it
@@ -437,12 +451,14 @@ ${name}(const __grid_constant__ megamoe::SymBuffer sym, uint32_t num_tokens, __n
         nvlink_barrier(env, BarrierTags{"gs0_combine", "nvl_combine", "gs1_combine"}, sym, words, cta_idx, num_ctas,
                        thread_idx, sync_cta, true);
     }
+    timer.mark(6, lane);
 
     // Top-k reduce into y
     if constexpr (kBulkReduce)
         combine::reduce_tokens(env, sym, num_tokens, y, ring, warp_rank, num_warps);
     else
         combine::reduce_token_chunks<kReduceVecs>(sym, num_tokens, y, warp_rank, num_warps);
+    timer.mark(7, lane);
 }
 """)
 
@@ -520,12 +536,14 @@ def run(buf: SymmBuffer, num_tokens: int, y: torch.Tensor, *, block_m: int | Non
         recv_stats: torch.Tensor | None = None, bulk_pull: bool = True, knobs: Mapping[str, Any] | None = None,
         check_inputs: bool = True,
         debug_skip_launch: bool = False, debug_hang: bool = False, timeout_s: float | None = None,
-        stream: torch.cuda.Stream | None = None) -> DispatchCombineConfig:
+        phase_times: PhaseTimes | None = None, stream: torch.cuda.Stream | None = None) -> DispatchCombineConfig:
     """Launch the unit kernel for this rank's first `num_tokens` tokens in `buf` (collective over buf.group:
     every rank launches, in the same order, with the same block_m, bulk_pull and knobs). y: BF16 [num_tokens, H].
     recv_stats: optional int32 [E_local], += rows received per local expert.
     debug_skip_launch: this rank does not launch (its peers must time out); debug_hang: the dispatch barrier
-    waits for an unreachable value (a timeout on one GPU). timeout_s overrides MEGAMOE_TIMEOUT_S."""
+    waits for an unreachable value (a timeout on one GPU). timeout_s overrides MEGAMOE_TIMEOUT_S.
+    phase_times: a jit.diagnostics.PhaseTimes(PHASES, device) the kernel fills with when its warps ended each
+    phase (profiling)."""
     from megamoe.jit import runtime
     from megamoe.jit.diagnostics import timeout_records
 
@@ -543,6 +561,7 @@ def run(buf: SymmBuffer, num_tokens: int, y: torch.Tensor, *, block_m: int | Non
         return config
     env = timeout_records().device_env(rank=buf.rank, timeout_s=timeout_s)
     args = [sym_buffer_struct(buf), runtime.u32(num_tokens), runtime.ptr(y if num_tokens else None),
-            runtime.ptr(recv_stats), runtime.u32(DEBUG_HANG_AT_DISPATCH_BARRIER if debug_hang else 0), env]
+            runtime.ptr(recv_stats), runtime.u32(DEBUG_HANG_AT_DISPATCH_BARRIER if debug_hang else 0), env,
+            runtime.ptr(phase_times.times if phase_times is not None else None)]
     kernel.launch(runtime.num_sms(buf.device), args, config.smem_bytes, device=buf.device, stream=stream)
     return config
