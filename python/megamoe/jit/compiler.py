@@ -206,6 +206,10 @@ def build(name: str, source: str, extra_flags: tuple[str, ...] = ()) -> CompileR
     root = envs.jit_cache_dir() / name
     entry_dir = root / key[:24]
     if (entry_dir / "build.json").exists():
+        try:  # mark the entry used (scripts/make_jit_carry.sh carries the entries a warm-up used)
+            os.utime(entry_dir / "build.json")
+        except OSError:  # a read-only cache (the carried copy on the device) stays as it is
+            pass
         return _load_entry(name, key, entry_dir, cache_hit=True)
 
     root.mkdir(parents=True, exist_ok=True)
