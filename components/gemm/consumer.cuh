@@ -4,6 +4,7 @@
 #pragma once
 
 #include "common/wgmma.cuh"
+#include "gemm/kblock_trace.cuh"
 #include "gemm/pipeline.cuh"
 #include "gemm/traits.cuh"
 
@@ -66,71 +67,144 @@ MEGAMOE_DEVICE void promote(float (&acc)[WGMMA::kNumAccum], const float (&d)[WGM
     }
 }
 
-// Accumulate one tile into `acc` (which the caller zeroes): all K blocks, promoted per block.
+// What one K block's WGMMAs and promotion read besides the accumulators: the stage's descriptors, the
+// activation SFs of this thread's two rows (per 64 K in L2 mode: lo, hi) and the weight SFs.
+struct BlockOperands {
+    uint64_t desc_a, desc_b;
+    float sfa0_lo, sfa8_lo, sfa0_hi, sfa8_hi;
+    float sfb_even, sfb_odd;
+};
+
+// Read the operands of K block `k_block_idx` from the stage at `state` (its full barrier already waited for).
+template <typename T>
+MEGAMOE_DEVICE BlockOperands read_operands(const GemmSmem<T>& smem, const PipelineState<T::kNumStages>& state,
+                                           const WeightScales<T>& weight_scales, uint32_t k_block_idx,
+                                           uint32_t a_offset, uint32_t sf_row0, uint32_t sf_row8) {
+    constexpr uint32_t kHiOffset = T::kScaleMode == ScaleMode::kL2Per64 ? T::BLOCK_M : 0;
+    const float* sfa = smem.sfa(state.stage);
+    BlockOperands ops;
+    ops.desc_a = ptx::make_smem_desc_k_major_sw128(smem.a(state.stage) + a_offset);
+    ops.desc_b = ptx::make_smem_desc_k_major_sw128(smem.b(state.stage));
+    ops.sfa0_lo = sfa[sf_row0];
+    ops.sfa8_lo = sfa[sf_row8];
+    ops.sfa0_hi = sfa[kHiOffset + sf_row0];
+    ops.sfa8_hi = sfa[kHiOffset + sf_row8];
+    ops.sfb_even = __ldg(weight_scales.first + k_block_idx);
+    ops.sfb_odd = T::kScaleMode == ScaleMode::kL1GateUp ? __ldg(weight_scales.second + k_block_idx) : ops.sfb_even;
+    return ops;
+}
+
+// One K block: issue its WGMMAs, and while they run wait for the next stage and read its operands
+// (kPrefetch: not for the tile's last block, whose successor belongs to a tile that may not exist), then promote.
 // NOTES: L2 mode computes each 128-K block as its two per-64 SF halves into two partials, committed as two
 // WGMMA groups; the first half is promoted while the tensor cores still run the second (wait_group 1). The same
 // split in L1 mode (both halves with the block's scale) measured slower on the H200 (943 vs 991 TFLOP/s at
 // 32 x 1536 x 4096 x 4096: twice the promotion FMAs), so L1 keeps one group per block (notes/gemm.md).
-// Each warp releases the stage after its wait_group 0 (its reads of the stage are complete) and after reading
-// the stage's SFA into registers; the empty barrier counts every math warp. No branch may sit between the two
-// waits: a divergent path while WGMMA is in flight makes ptxas serialize the pipeline (C7518).
-template <typename T>
+// Each warp releases the stage after its wait_group 0 (its reads of the stage are complete); the empty barrier
+// counts every math warp. Between the first WGMMA and the last wait only branch-free code may run: a C++ branch
+// or loop while WGMMA is in flight makes ptxas serialize the pipeline (C7518). Hence the next stage's wait is
+// one asm block (ptx::mbarrier_wait_inline) whose timeout is reported after the WGMMA wait.
+template <typename T, bool kPrefetch, bool kTrace>
+MEGAMOE_DEVICE void consume_k_block(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
+                                    const GemmSmem<T>& smem, const WeightScales<T>& weight_scales,
+                                    uint32_t k_block_idx, uint32_t a_offset, uint32_t sf_row0, uint32_t sf_row8,
+                                    uint32_t lane, BlockOperands& ops, float (&acc)[WGMMA::kNumAccum],
+                                    float (&d_lo)[WGMMA::kNumAccum], const DeviceEnv& env,
+                                    KBlockTrace<kTrace>* trace) {
+    if constexpr (kTrace)
+        trace->mark(KBlockEvent::kIssue);
+    const BlockOperands cur = ops;
+    PipelineState<T::kNumStages> next = state;
+    next.advance();
+    uint64_t waited_ns = 0;
+    if constexpr (T::kScaleMode == ScaleMode::kL1GateUp) {
+        // One group over the whole block, one promotion
+        ptx::fence_operands(d_lo);
+        ptx::wgmma_fence();
+        issue_k_steps<T, 0, T::kNumKSteps>(cur.desc_a, cur.desc_b, d_lo);
+        ptx::wgmma_commit_group();
+        if constexpr (kPrefetch) {
+            waited_ns = pipeline.consumer_wait_inline(env, next);
+            ops = read_operands<T>(smem, next, weight_scales, k_block_idx + 1, a_offset, sf_row0, sf_row8);
+        }
+        ptx::wgmma_wait_group<0>();
+        ptx::fence_operands(d_lo);
+        if constexpr (kTrace)
+            trace->mark(KBlockEvent::kDone);
+        pipeline.consumer_release(state, lane);
+        promote(acc, d_lo, cur.sfa0_lo * cur.sfb_even, cur.sfa0_lo * cur.sfb_odd, cur.sfa8_lo * cur.sfb_even,
+                cur.sfa8_lo * cur.sfb_odd);
+    } else {
+        // Two groups, one per 64-K SF half; the first half is promoted while the second half runs
+        float d_hi[WGMMA::kNumAccum];
+        ptx::fence_operands(d_lo);
+        ptx::fence_operands(d_hi);
+        ptx::wgmma_fence();
+        issue_k_steps<T, 0, T::kNumKSteps / 2>(cur.desc_a, cur.desc_b, d_lo);
+        ptx::wgmma_commit_group();
+        issue_k_steps<T, T::kNumKSteps / 2, T::kNumKSteps>(cur.desc_a, cur.desc_b, d_hi);
+        ptx::wgmma_commit_group();
+        if constexpr (kPrefetch) {
+            waited_ns = pipeline.consumer_wait_inline(env, next);
+            ops = read_operands<T>(smem, next, weight_scales, k_block_idx + 1, a_offset, sf_row0, sf_row8);
+        }
+        ptx::wgmma_wait_group<1>();
+        ptx::fence_operands(d_lo);
+        promote(acc, d_lo, cur.sfa0_lo * cur.sfb_even, cur.sfa0_lo * cur.sfb_odd, cur.sfa8_lo * cur.sfb_even,
+                cur.sfa8_lo * cur.sfb_odd);
+        ptx::wgmma_wait_group<0>();
+        ptx::fence_operands(d_hi);
+        if constexpr (kTrace)
+            trace->mark(KBlockEvent::kDone);
+        pipeline.consumer_release(state, lane);
+        promote(acc, d_hi, cur.sfa0_hi * cur.sfb_even, cur.sfa0_hi * cur.sfb_odd, cur.sfa8_hi * cur.sfb_even,
+                cur.sfa8_hi * cur.sfb_odd);
+    }
+    if (waited_ns != 0)
+        pipeline.report_full_timeout(env, next, waited_ns);
+    if constexpr (kTrace) {
+        trace->mark(KBlockEvent::kPromoted);
+        trace->next();
+    }
+    state = next;
+}
+
+// Accumulate one tile into `acc` (which the caller zeroes): all K blocks, promoted per block.
+// kFeedOnly (profiling): wait for each stage and release it without any math, to measure what the producers
+// alone sustain.
+template <typename T, bool kTrace = false, bool kFeedOnly = false>
 MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
                                  const GemmSmem<T>& smem, const WeightScales<T>& weight_scales,
                                  uint32_t math_wg_idx, uint32_t thread_in_wg, float (&acc)[WGMMA::kNumAccum],
-                                 const DeviceEnv& env) {
+                                 const DeviceEnv& env, KBlockTrace<kTrace>* trace = nullptr) {
     const Fragment frag = Fragment::of(math_wg_idx, thread_in_wg);
     const uint32_t lane = thread_in_wg % 32;
     const uint32_t a_offset = math_wg_idx * T::WGMMA_M * T::BLOCK_K;
     // BLOCK_M = 32: warps 2, 3 hold WGMMA rows 32..63, which are discarded; `% BLOCK_M` keeps their SF reads
     // inside the stage without a branch
     const uint32_t sf_row0 = frag.row % T::BLOCK_M, sf_row8 = (frag.row + 8) % T::BLOCK_M;
-    constexpr uint32_t kHiOffset = T::kScaleMode == ScaleMode::kL2Per64 ? T::BLOCK_M : 0;
-    float d_lo[WGMMA::kNumAccum];
 
-    for (uint32_t k_block_idx = 0; k_block_idx < T::kNumKBlocks; ++ k_block_idx) {
-        // Weight SFs first: their global-load latency hides behind the barrier wait and the WGMMAs
-        const float sfb_even = __ldg(weight_scales.first + k_block_idx);
-        const float sfb_odd =
-            T::kScaleMode == ScaleMode::kL1GateUp ? __ldg(weight_scales.second + k_block_idx) : sfb_even;
-
-        pipeline.consumer_wait(env, state);
-        const float* sfa = smem.sfa(state.stage);
-        const float sfa0_lo = sfa[sf_row0], sfa8_lo = sfa[sf_row8];
-        const float sfa0_hi = sfa[kHiOffset + sf_row0], sfa8_hi = sfa[kHiOffset + sf_row8];
-
-        const uint64_t desc_a = ptx::make_smem_desc_k_major_sw128(smem.a(state.stage) + a_offset);
-        const uint64_t desc_b = ptx::make_smem_desc_k_major_sw128(smem.b(state.stage));
-        if constexpr (T::kScaleMode == ScaleMode::kL1GateUp) {
-            // One group over the whole block, one promotion
-            ptx::fence_operands(d_lo);
-            ptx::wgmma_fence();
-            issue_k_steps<T, 0, T::kNumKSteps>(desc_a, desc_b, d_lo);
-            ptx::wgmma_commit_group();
-            ptx::wgmma_wait_group<0>();
-            ptx::fence_operands(d_lo);
+    if constexpr (kFeedOnly) {
+        for (uint32_t k_block_idx = 0; k_block_idx < T::kNumKBlocks; ++ k_block_idx) {
+            pipeline.consumer_wait(env, state);
             pipeline.consumer_release(state, lane);
-            promote(acc, d_lo, sfa0_lo * sfb_even, sfa0_lo * sfb_odd, sfa8_lo * sfb_even, sfa8_lo * sfb_odd);
-        } else {
-            // Two groups, one per 64-K SF half; the first half is promoted while the second half runs
-            float d_hi[WGMMA::kNumAccum];
-            ptx::fence_operands(d_lo);
-            ptx::fence_operands(d_hi);
-            ptx::wgmma_fence();
-            issue_k_steps<T, 0, T::kNumKSteps / 2>(desc_a, desc_b, d_lo);
-            ptx::wgmma_commit_group();
-            issue_k_steps<T, T::kNumKSteps / 2, T::kNumKSteps>(desc_a, desc_b, d_hi);
-            ptx::wgmma_commit_group();
-            ptx::wgmma_wait_group<1>();
-            ptx::fence_operands(d_lo);
-            promote(acc, d_lo, sfa0_lo * sfb_even, sfa0_lo * sfb_odd, sfa8_lo * sfb_even, sfa8_lo * sfb_odd);
-            ptx::wgmma_wait_group<0>();
-            ptx::fence_operands(d_hi);
-            pipeline.consumer_release(state, lane);
-            promote(acc, d_hi, sfa0_hi * sfb_even, sfa0_hi * sfb_odd, sfa8_hi * sfb_even, sfa8_hi * sfb_odd);
+            state.advance();
         }
-        state.advance();
+        return;
     }
+
+    // The first block's stage is waited for here; every later one while its predecessor's WGMMAs run
+    pipeline.consumer_wait(env, state);
+    if constexpr (kTrace)
+        trace->mark(KBlockEvent::kStageReady);
+    BlockOperands ops = read_operands<T>(smem, state, weight_scales, 0, a_offset, sf_row0, sf_row8);
+    float d_lo[WGMMA::kNumAccum];
+    #pragma unroll 1
+    for (uint32_t k_block_idx = 0; k_block_idx + 1 < T::kNumKBlocks; ++ k_block_idx)
+        consume_k_block<T, true>(pipeline, state, smem, weight_scales, k_block_idx, a_offset, sf_row0, sf_row8,
+                                 lane, ops, acc, d_lo, env, trace);
+    consume_k_block<T, false>(pipeline, state, smem, weight_scales, T::kNumKBlocks - 1, a_offset, sf_row0, sf_row8,
+                              lane, ops, acc, d_lo, env, trace);
 }
 
 }  // namespace megamoe::gemm

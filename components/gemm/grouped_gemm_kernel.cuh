@@ -32,10 +32,13 @@ MEGAMOE_DEVICE void store_tile_bf16(const float (&acc)[WGMMA::kNumAccum], const 
     }
 }
 
-template <typename T, uint32_t kNumExperts>
+// kTrace: CTA 0 records its K blocks' timeline into `trace` (gemm/kblock_trace.cuh). kFeedOnly: no math (the
+// producers' rate; the output is not written).
+template <typename T, uint32_t kNumExperts, bool kTrace = false, bool kFeedOnly = false>
 MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUtensorMap* tensor_map_sfa,
                                       const CUtensorMap* tensor_map_b, const float* w_sf,
-                                      const int* num_tokens_per_expert, __nv_bfloat16* d, const DeviceEnv& env) {
+                                      const int* num_tokens_per_expert, __nv_bfloat16* d, const DeviceEnv& env,
+                                      unsigned long long* trace = nullptr) {
     using Scheduler = GroupedTileScheduler<T::BLOCK_M, T::kNumNBlocks, kNumExperts>;
     extern __shared__ __align__(1024) uint8_t smem_buffer[];
     const GemmSmem<T> smem{smem_buffer};
@@ -73,6 +76,8 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
         ptx::setmaxnreg_inc<kNumMathRegs>();
         const uint32_t math_wg_idx = warp / 4 - 1, thread_in_wg = threadIdx.x % 128;
         const Fragment frag = Fragment::of(math_wg_idx, thread_in_wg);
+        KBlockTrace<kTrace> tracer{blockIdx.x == 0 and thread_in_wg == 0 and trace != nullptr
+                                       ? trace + math_wg_idx * kMaxTracedKBlocks * kNumKBlockEvents : nullptr};
         PipelineState<T::kNumStages> state;
         Scheduler scheduler(num_tokens_per_expert);
         Tile tile;
@@ -81,9 +86,10 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
             #pragma unroll
             for (uint32_t i = 0; i < WGMMA::kNumAccum; ++ i)
                 acc[i] = 0.0f;
-            consume_tile<T>(pipeline, state, smem, WeightScales<T>::of(w_sf, tile.expert_idx, tile.n_block_idx),
-                            math_wg_idx, thread_in_wg, acc, env);
-            store_tile_bf16<T>(acc, frag, tile, d);
+            consume_tile<T, kTrace, kFeedOnly>(pipeline, state, smem, WeightScales<T>::of(w_sf, tile.expert_idx, tile.n_block_idx),
+                            math_wg_idx, thread_in_wg, acc, env, &tracer);
+            if constexpr (not kFeedOnly)
+                store_tile_bf16<T>(acc, frag, tile, d);
         }
     } else {
         // WG2 without work (BLOCK_M <= 64): give its registers back

@@ -59,6 +59,18 @@ struct Pipeline {
         ptx::mbarrier_wait<false>(env, "gemm_full", full_barriers + state.stage, state.phase);
     }
 
+    // Consumer wait that may overlap WGMMA in flight (ptx::mbarrier_wait_inline): returns 0, or the ns waited
+    // past the timeout; the caller reports it with report_full_timeout once its WGMMA wait is done.
+    MEGAMOE_DEVICE uint64_t consumer_wait_inline(const DeviceEnv& env, const PipelineState<kNumStages>& state) const {
+        return ptx::mbarrier_wait_inline(full_barriers + state.stage, state.phase, env.timeout_ns);
+    }
+
+    MEGAMOE_DEVICE void report_full_timeout(const DeviceEnv& env, const PipelineState<kNumStages>& state,
+                                            uint64_t waited_ns) const {
+        megamoe_report_timeout<false>(env, "gemm_full", waited_ns, state.phase,
+                                      static_cast<int64_t>(full_barriers[state.stage]), state.stage);
+    }
+
     // Consumer release: one arrival per math warp, after that warp's wgmma reads of the stage completed.
     MEGAMOE_DEVICE void consumer_release(const PipelineState<kNumStages>& state, uint32_t lane) const {
         if (lane == 0)

@@ -14,6 +14,7 @@ from megamoe.jit import compiler
 from megamoe.jit.compiler import CompileResult
 
 BLOCK_N = BLOCK_K = 128
+KBLOCK_TRACE_LEN = 512  # gemm/kblock_trace.cuh: kMaxTracedKBlocks
 Mode = Literal["l1", "l2"]
 
 
@@ -27,6 +28,8 @@ class GemmConfig:
     k: int
     num_experts: int
     num_stages: int = 0  # 0: as many as fit
+    trace: bool = False  # CTA 0 records its K blocks' timeline (run(..., trace=)); profiling only
+    feed_only: bool = False  # no math, output unwritten: the producers' rate; profiling only
 
     def __post_init__(self) -> None:
         if self.block_m not in (32, 64, 128):
@@ -57,12 +60,16 @@ class GemmConfig:
     @property
     def name(self) -> str:
         return (f"megamoe_gemm_{self.mode}_m{self.block_m}_n{self.n}_k{self.k}_e{self.num_experts}"
-                f"_s{self.num_stages}")
+                f"_s{self.num_stages}{'_trace' if self.trace else ''}{'_feed' if self.feed_only else ''}")
 
     def pool_offsets(self, num_tokens_per_expert: list[int]) -> list[int]:
         from megamoe.scheduler import pool_offsets
 
         return pool_offsets(num_tokens_per_expert, self.block_m)
+
+
+def _cpp_bool(value: bool) -> str:
+    return "true" if value else "false"
 
 
 def source(config: GemmConfig) -> str:
@@ -77,9 +84,9 @@ static_assert(Traits::kSmemBytes == {config.smem_bytes}, "host and device disagr
 extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
 {config.name}(const __grid_constant__ CUtensorMap tensor_map_a, const __grid_constant__ CUtensorMap tensor_map_sfa,
               const __grid_constant__ CUtensorMap tensor_map_b, const float* w_sf, const int* num_tokens_per_expert,
-              __nv_bfloat16* d, const megamoe::DeviceEnv env) {{
-    megamoe::gemm::grouped_gemm_impl<Traits, {config.num_experts}>(
-        &tensor_map_a, &tensor_map_sfa, &tensor_map_b, w_sf, num_tokens_per_expert, d, env);
+              __nv_bfloat16* d, const megamoe::DeviceEnv env, unsigned long long* trace) {{
+    megamoe::gemm::grouped_gemm_impl<Traits, {config.num_experts}, {_cpp_bool(config.trace)}, {_cpp_bool(config.feed_only)}>(
+        &tensor_map_a, &tensor_map_sfa, &tensor_map_b, w_sf, num_tokens_per_expert, d, env, trace);
 }}
 """
 
@@ -89,12 +96,15 @@ def compile_gemm(config: GemmConfig) -> CompileResult:
 
 
 def run(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor, b_sf: torch.Tensor,
-        num_tokens_per_expert: torch.Tensor, d: torch.Tensor, *, num_blocks: int | None = None) -> None:
+        num_tokens_per_expert: torch.Tensor, d: torch.Tensor, *, num_blocks: int | None = None,
+        trace: torch.Tensor | None = None) -> None:
     """d[pool rows of expert e] = promoted(A_e @ B_e^T) for the valid rows of each expert.
 
     a: e4m3 [P, K] pool (expert e's rows from pool_offsets(counts, block_m)[e]); a_sf: f32 MN-major SF pool
     [K/128, P] (l1) or [K/64, P] (l2); b: e4m3 [E, N, K]; b_sf: f32 [E, N/128, K/128];
     num_tokens_per_expert: int32 [E] on the device; d: bf16 [P, N].
+    trace (config.trace variants): int64 [2, KBLOCK_TRACE_LEN, 4], clock64 readings of CTA 0's K blocks per math
+    warpgroup (stage ready, issue, done, promoted; gemm/kblock_trace.cuh).
     """
     from megamoe.jit import runtime
     from megamoe.jit.diagnostics import timeout_records
@@ -119,7 +129,8 @@ def run(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor
     maps = _tensor_maps(config, a, a_sf, b)
     env = timeout_records().device_env(rank=0)
     kernel.launch(num_blocks or runtime.num_sms(a.device),
-                  [*maps, runtime.ptr(b_sf), runtime.ptr(num_tokens_per_expert), runtime.ptr(d), env],
+                  [*maps, runtime.ptr(b_sf), runtime.ptr(num_tokens_per_expert), runtime.ptr(d), env,
+                   runtime.ptr(trace)],
                   config.smem_bytes, device=a.device)
 
 

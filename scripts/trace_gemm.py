@@ -1,0 +1,65 @@
+"""K-block timeline of CTA 0's math warpgroups (gemm/kblock_trace.cuh) for a `megamoe bench gemm` case, and the
+same case with the producers alone (feed_only): where a K block's SM clocks go (WGMMA, promotion, the rest).
+
+Usage: PYTHONPATH=python python3 scripts/trace_gemm.py [case index ...] [--compile-only]
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import torch
+
+from megamoe import bench
+from megamoe.bench import GEMM_CASES
+from megamoe.kernels import gemm
+
+def configs(index: int) -> list[gemm.GemmConfig]:
+    case = GEMM_CASES[index]
+    base = gemm.GemmConfig(case.block_m, case.mode, case.n, case.k, case.num_groups, trace=True)
+    return [base, replace(base, feed_only=True)]
+
+
+def summarize(name: str, trace: torch.Tensor, first: int = 40, count: int = 200) -> None:
+    t = trace[:, first:first + count].double()  # [wg, block, event]
+    print(f"{name}: K blocks {first}..{first + count} of CTA 0 (SM clocks)")
+    for wg in range(t.shape[0]):
+        e = t[wg]
+        cycle = (e[1:, 1] - e[:-1, 1]).median().item()  # issue to issue (ready is marked for block 0 only)
+        parts = {"WGMMA (issue->done)": (e[:, 2] - e[:, 1]),
+                 "release+promote (done->promoted)": (e[:, 3] - e[:, 2]),
+                 "turn and loop (promoted->next issue)": (e[1:, 1] - e[:-1, 3])}
+        print(f"  wg{wg}: median cycle per K block {cycle:.0f}; " +
+              "; ".join(f"{k} {v.median().item():.0f}" for k, v in parts.items()))
+    base = t[0, 0, 1].item()
+    print("  first 6 blocks, (issue, done, promoted) - wg0's first issue:")
+    for i in range(6):
+        print("   " + "   ".join(f"wg{wg} " + " ".join(f"{t[wg, i, j].item() - base:6.0f}" for j in range(1, 4))
+                                for wg in range(t.shape[0])))
+
+
+def main() -> None:
+    indices = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [1, 3]
+    for index in indices:
+        for config in configs(index):
+            gemm.compile_gemm(config)
+    if "--compile-only" in sys.argv:
+        return
+    for index in indices:
+        case = GEMM_CASES[index]
+        for config in configs(index):
+            problem = gemm.make_problem(config, [case.rows] * case.num_groups, small_int=False)
+            d = torch.empty(problem.num_pool_rows, case.n, dtype=torch.bfloat16, device="cuda")
+            trace = torch.zeros(2, gemm.KBLOCK_TRACE_LEN, 4, dtype=torch.int64, device="cuda")
+            for _ in range(3):  # warm: the last run's trace is read
+                gemm.run_problem(problem, d, trace=trace)
+            torch.cuda.synchronize()
+            summarize(f"{case.name} {config.name}", trace.cpu())
+            us = bench.time_us(lambda: gemm.run_problem(problem, d))  # noqa: B023
+            print(f"  whole kernel {us:.1f} us = {2 * case.num_groups * case.rows * case.n * case.k / us / 1e6:.0f} "
+                  f"TFLOP/s-equivalent")
+            del problem, d
+
+
+if __name__ == "__main__":
+    main()
