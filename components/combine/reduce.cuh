@@ -158,13 +158,14 @@ MEGAMOE_DEVICE void accumulate_vecs(float* acc, const uint4 (&v)[kSlotBatch][kVe
     }
 }
 
-// Called by every lane of a warp, after the combine barrier; global warp `warp_rank` of `num_warps` takes a
+// Called by every lane of a warp, after the combine barrier (kWaitArrivals: as soon as the warp's own scatter is
+// done, waiting per token for its rows: combine_arrival_count); global warp `warp_rank` of `num_warps` takes a
 // contiguous range of the num_tokens x kUnitsPerToken units (consecutive units mostly share a token, whose slot
 // mask is then loaded once). y: [num_tokens, H] BF16, rows 16 B aligned. Same sums as reduce_tokens: fp32 from
 // +0, the valid slots in slot order, one rounding to BF16.
-template <uint32_t kVecsPerLane>
-MEGAMOE_DEVICE void reduce_token_chunks(const SymBuffer& sym, uint32_t num_tokens, __nv_bfloat16* y,
-                                        uint32_t warp_rank, uint32_t num_warps) {
+template <uint32_t kVecsPerLane, bool kWaitArrivals = false>
+MEGAMOE_DEVICE void reduce_token_chunks(const DeviceEnv& env, const SymBuffer& sym, uint32_t num_tokens,
+                                        __nv_bfloat16* y, uint32_t warp_rank, uint32_t num_warps) {
     static_assert(kVecsPerLane >= 1 and kVecsPerLane <= 4, "1..4 vectors of 16 B per lane and slot");
     constexpr uint32_t kVecsPerUnit = 32 * kVecsPerLane;
     constexpr uint32_t kUnitsPerToken = (kVecsPerRow + kVecsPerUnit - 1) / kVecsPerUnit;
@@ -176,9 +177,10 @@ MEGAMOE_DEVICE void reduce_token_chunks(const SymBuffer& sym, uint32_t num_token
     const uint32_t end = static_cast<uint32_t>(static_cast<uint64_t>(num_units) * (warp_rank + 1) / num_warps);
 
     // NOTES: the peers' combine rows are generic-proxy stores (combine/scatter.cuh), published by the combine
-    // barrier this warp is past (its CTA's acquire, extended by the CTA barrier); generic loads need no proxy
-    // fence. ld.global.cg reads L2 (the point of coherence for the NVLink writes), never a stale L1 line of an
-    // earlier call.
+    // barrier this warp is past (its CTA's acquire, extended by the CTA barrier), or with kWaitArrivals by each
+    // row's red.release.sys on the token's count, which lane 0 acquires (.sys) before __syncwarp extends the
+    // order to the other lanes; generic loads need no proxy fence. ld.global.cg reads L2 (the point of coherence
+    // for the NVLink writes), never a stale L1 line of an earlier call.
     uint32_t mask_token = 0xffffffffu, slot_mask = 0;
     for (uint32_t unit = begin; unit < end; ++ unit) {
         const uint32_t token = unit / kUnitsPerToken, first_vec = unit % kUnitsPerToken * kVecsPerUnit;
@@ -187,6 +189,17 @@ MEGAMOE_DEVICE void reduce_token_chunks(const SymBuffer& sym, uint32_t num_token
                 lane < layout::kNumTopk and topk_idx[static_cast<uint64_t>(token) * layout::kNumTopk + lane] >= 0;
             slot_mask = __ballot_sync(0xffffffffu, valid);
             mask_token = token;
+            if constexpr (kWaitArrivals) {
+                if (lane == 0) {
+                    const uint32_t* count = sym.local<const uint32_t>(layout::kCombineArrivalCountOffset) + token;
+                    const uint32_t expected = __popc(slot_mask);
+                    bounded_wait(
+                        env, "combine_rows",
+                        [&]() { return ptx::ld_acquire<ptx::Scope::kSys>(count) >= expected; },
+                        [&]() { return make_longlong3(ptx::ld_relaxed<ptx::Scope::kSys>(count), expected, token); });
+                }
+                __syncwarp();
+            }
         }
         float acc[kVecsPerLane * 8];
 #pragma unroll

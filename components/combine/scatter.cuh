@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 
+#include "common/atomics.cuh"
 #include "common/fence.cuh"
 #include "common/sym_buffer.cuh"
 
@@ -35,5 +36,20 @@ MEGAMOE_DEVICE void store_combine_chunk(__nv_bfloat16* row, uint32_t col, const 
 // fence.proxy.async.global on the writer's side, before its release (DESIGN 5b); the reader fences again after
 // its acquire (reduce.cuh).
 MEGAMOE_DEVICE void finish_combine_stores() { ptx::fence_proxy_async_global(); }
+
+// The source rank's count of combine rows landed for `token`.
+MEGAMOE_DEVICE uint32_t* combine_arrival_count(const SymBuffer& sym, uint32_t src_rank, uint32_t token) {
+    return sym.peer<uint32_t>(layout::kCombineArrivalCountOffset + token * sizeof(uint32_t), src_rank);
+}
+
+// After the whole warp stored one combine row: count it at the source rank (reduce_token_chunks waits for a
+// token's count to reach its number of valid slots).
+// NOTES: __syncwarp orders the other lanes' row stores before lane 0's red.release.sys, whose release is
+// cumulative over what lane 0 observed; the reducing warp's ld.acquire.sys of the count pairs with it.
+MEGAMOE_DEVICE void signal_combine_row(const SymBuffer& sym, uint32_t src_rank, uint32_t token, uint32_t lane) {
+    __syncwarp();
+    if (lane == 0)
+        ptx::red_add_release<ptx::Scope::kSys>(combine_arrival_count(sym, src_rank, token), 1u);
+}
 
 }  // namespace megamoe::combine

@@ -55,6 +55,7 @@ WORKSPACE_REGIONS = (
     "src_token_topk_idx",
     "l1_arrival_count",
     "l1_done_count",
+    "combine_arrival_count",
     "pool_src_metadata",
 )
 INPUT_REGIONS = ("x", "x_sf", "topk_idx", "topk_weights")
@@ -268,6 +269,8 @@ class SymmLayout:
             ("workspace", "src_token_topk_idx", "uint32", (e_local, r, t)),
             ("workspace", "l1_arrival_count", "uint32", (b,)),
             ("workspace", "l1_done_count", "uint32", (b,)),
+            # Combine rows landed here per token (every rank's scatter adds one per row it writes)
+            ("workspace", "combine_arrival_count", "uint32", (t,)),
             ("workspace", "pool_src_metadata", "uint32", (p, len(POOL_SRC_METADATA_FIELDS))),
             # Inputs: written by this rank, pulled by peers.
             ("input", "x", "float8_e4m3fn", (t, h)),

@@ -28,6 +28,10 @@ budget per phase); LEGACY_KNOBS reproduces the first version exactly, the field 
                   one grid sync per NVLink barrier, every CTA waits for the signals itself, the clean folded into
                   the combine barrier (common/nvlink_barrier.cuh: nvlink_barrier_polled)
   table_prefetch  the receive counts loaded by the whole CTA at once, then scanned in shared memory
+  reduce_overlap  (reduce "ldg", lean_sync) every scattered row counts itself at its token's source rank
+                  (combine_arrival_count); a warp reduces right after its own scatter, waiting per token for its
+                  rows, and the combine barrier (with the clean) moves after the reduce: the reduce overlaps the
+                  scatter's tail instead of following every rank's last row
 """
 from __future__ import annotations
 
@@ -57,13 +61,14 @@ COMBINE_STORES = ("split", "coalesced")
 REDUCES = ("bulk", "ldg")
 # The first version of the kernel, kept reachable for side-by-side benchmarks and tests
 LEGACY_KNOBS: dict[str, Any] = {"pull_stages": 1, "pull_warps": NUM_WARPS, "combine_store": "split",
-                                "reduce": "bulk", "lean_sync": False, "table_prefetch": False}
+                                "reduce": "bulk", "lean_sync": False, "table_prefetch": False,
+                                "reduce_overlap": False}
 # What the fused kernel will have: 2 dispatch warps per CTA, so more rows in flight per warp
 FUSED_PULL_KNOBS: dict[str, Any] = {"pull_warps": 2, "pull_stages": 4}
 DEBUG_HANG_AT_DISPATCH_BARRIER = 1  # kernel debug flag: the first NVLink barrier waits for an unreachable value
 # The phases the unit kernel marks when given a PhaseTimes buffer (run(..., phase_times=)), in order
-PHASES = ("start", "count+notify", "dispatch barrier", "recv table", "pull", "expert+scatter", "combine barrier",
-          "reduce")
+PHASES = ("start", "count+notify", "dispatch barrier", "recv table", "pull", "expert+scatter",
+          "combine barrier (reduce_overlap: the reduce)", "reduce (reduce_overlap: the combine barrier)")
 
 
 class SymBufferStruct(ctypes.Structure):
@@ -113,6 +118,7 @@ class DispatchCombineConfig:
     reduce_vecs: int = 2
     lean_sync: bool = True
     table_prefetch: bool = True
+    reduce_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.block_m not in BLOCK_M_CANDIDATES:
@@ -127,6 +133,8 @@ class DispatchCombineConfig:
             raise ValueError(f"reduce must be one of {REDUCES}, got {self.reduce!r}")
         if not 1 <= self.reduce_vecs <= 4:
             raise ValueError(f"reduce_vecs must be in [1, 4], got {self.reduce_vecs!r}")
+        if self.reduce_overlap and (self.reduce != "ldg" or not self.lean_sync):
+            raise ValueError("reduce_overlap needs reduce='ldg' and lean_sync=True")
         if self.smem_bytes > SMEM_CAPACITY_BYTES:
             raise ValueError(f"hidden={self.layout.hidden}: the unit kernel needs {self.smem_bytes} B of shared "
                              f"memory, more than {SMEM_CAPACITY_BYTES} B (fewer pull_stages or pull_warps, or "
@@ -140,7 +148,8 @@ class DispatchCombineConfig:
     @property
     def knobs(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in ("pull_stages", "pull_warps", "combine_store", "reduce",
-                                                       "reduce_vecs", "lean_sync", "table_prefetch")}
+                                                       "reduce_vecs", "lean_sync", "table_prefetch",
+                                                       "reduce_overlap")}
 
     @property
     def is_legacy(self) -> bool:
@@ -153,7 +162,8 @@ class DispatchCombineConfig:
             return ""
         return (f"_p{self.pull_warps}x{self.pull_stages}_{self.combine_store[:2]}"
                 f"_{self.reduce}{self.reduce_vecs if self.reduce == 'ldg' else ''}"
-                f"{'_lean' if self.lean_sync else ''}{'_tp' if self.table_prefetch else ''}")
+                f"{'_lean' if self.lean_sync else ''}{'_tp' if self.table_prefetch else ''}"
+                f"{'_ov' if self.reduce_overlap else ''}")
 
     @property
     def name(self) -> str:
@@ -232,6 +242,7 @@ constexpr bool kBulkReduce = ${bulk_reduce};
 constexpr uint32_t kReduceVecs = ${reduce_vecs};
 constexpr bool kLeanSync = ${lean_sync};
 constexpr bool kTablePrefetch = ${table_prefetch};
+constexpr bool kReduceOverlap = ${reduce_overlap};
 constexpr uint32_t kDebugHangAtDispatchBarrier = ${debug_hang_flag};
 constexpr uint32_t kSmemPullOffset = ${pull_offset};
 constexpr uint32_t kSmemCombineOffset = ${combine_offset};
@@ -340,6 +351,8 @@ __device__ __forceinline__ void trivial_expert(const DeviceEnv& env, const SymBu
             }
         }
         combine::finish_combine_stores();
+        if constexpr (kReduceOverlap)
+            combine::signal_combine_row(sym, meta.x, meta.y, lane);
     }
 }
 
@@ -437,27 +450,38 @@ ${name}(const __grid_constant__ megamoe::SymBuffer sym, uint32_t num_tokens, __n
     trivial_expert(env, sym, table, warp_rank, num_warps);
     timer.mark(5, lane);
 
-    if constexpr (kLeanSync) {
-        // One grid sync: CTA 0 zeroes the receive counts before it signals, every CTA the local counters while it
-        // waits (combine/clean.cuh: clean_recv_counts, clean_local_counters)
+    if constexpr (kReduceOverlap) {
+        // Reduce as soon as this warp's scatter is done, token by token as their rows land; then the barrier that
+        // cleans the counters and lets the peers past this call
+        combine::reduce_token_chunks<kReduceVecs, true>(env, sym, num_tokens, y, warp_rank, num_warps);
+        timer.mark(6, lane);
         nvlink_barrier_polled(
             env, BarrierTags{"gs0_combine", "nvl_combine", ""}, sym, words, nvl_ordinal + 1u, cta_idx, num_ctas,
             thread_idx, sync_cta, [&]() { combine::clean_recv_counts<kNumThreads>(sym, thread_idx); },
             [&]() { combine::clean_local_counters<kNumThreads>(sym, cta_idx, num_ctas, thread_idx); });
     } else {
-        // Clean the counters once nobody here reads them, then meet the peers: their rows have landed here
-        grid_sync(env, "gs_clean", words.grid_counter, cta_idx, num_ctas, thread_idx == 0, sync_cta);
-        combine::clean_workspace<kNumThreads>(sym, cta_idx, num_ctas, thread_idx);
-        nvlink_barrier(env, BarrierTags{"gs0_combine", "nvl_combine", "gs1_combine"}, sym, words, cta_idx, num_ctas,
-                       thread_idx, sync_cta, true);
-    }
-    timer.mark(6, lane);
+        if constexpr (kLeanSync) {
+            // One grid sync: CTA 0 zeroes the receive counts before it signals, every CTA the local counters while
+            // it waits (combine/clean.cuh: clean_recv_counts, clean_local_counters)
+            nvlink_barrier_polled(
+                env, BarrierTags{"gs0_combine", "nvl_combine", ""}, sym, words, nvl_ordinal + 1u, cta_idx,
+                num_ctas, thread_idx, sync_cta, [&]() { combine::clean_recv_counts<kNumThreads>(sym, thread_idx); },
+                [&]() { combine::clean_local_counters<kNumThreads>(sym, cta_idx, num_ctas, thread_idx); });
+        } else {
+            // Clean the counters once nobody here reads them, then meet the peers: their rows have landed here
+            grid_sync(env, "gs_clean", words.grid_counter, cta_idx, num_ctas, thread_idx == 0, sync_cta);
+            combine::clean_workspace<kNumThreads>(sym, cta_idx, num_ctas, thread_idx);
+            nvlink_barrier(env, BarrierTags{"gs0_combine", "nvl_combine", "gs1_combine"}, sym, words, cta_idx,
+                           num_ctas, thread_idx, sync_cta, true);
+        }
+        timer.mark(6, lane);
 
-    // Top-k reduce into y
-    if constexpr (kBulkReduce)
-        combine::reduce_tokens(env, sym, num_tokens, y, ring, warp_rank, num_warps);
-    else
-        combine::reduce_token_chunks<kReduceVecs>(sym, num_tokens, y, warp_rank, num_warps);
+        // Top-k reduce into y
+        if constexpr (kBulkReduce)
+            combine::reduce_tokens(env, sym, num_tokens, y, ring, warp_rank, num_warps);
+        else
+            combine::reduce_token_chunks<kReduceVecs>(env, sym, num_tokens, y, warp_rank, num_warps);
+    }
     timer.mark(7, lane);
 }
 """)
@@ -480,6 +504,7 @@ def source(config: DispatchCombineConfig) -> str:
         reduce_vecs=config.reduce_vecs,
         lean_sync="true" if config.lean_sync else "false",
         table_prefetch="true" if config.table_prefetch else "false",
+        reduce_overlap="true" if config.reduce_overlap else "false",
         pull_stage_bytes=pull_stage_bytes(config.layout.hidden),
         debug_hang_flag=DEBUG_HANG_AT_DISPATCH_BARRIER,
         pull_offset=regions["pull"][0],
