@@ -12,6 +12,8 @@ Kernel phases (every rank, all CTAs; barriers are common/grid_sync.cuh and commo
   6. grid sync, clean             combine/clean.cuh: the call's counters back to zero
   7. NVLink barrier "combine"     every rank's scatter has landed, every rank has cleaned
   8. reduce                       combine/reduce.cuh: y
+  (reduce_overlap, the default: each scattered row is counted at its token's source rank; a warp goes from its
+  scatter (5) straight to the reduce (8), waiting per token for its rows, and 6-7 come last)
 The pool, its SF, weights and metadata stay in the symmetric buffer after the call (`SymmBuffer.view`).
 This module: the config, the source, compile and launch; the tests' and the benchmark's inputs, expectations,
 checked calls and timed round trip are in megamoe.kernels.dispatch_combine_checks.

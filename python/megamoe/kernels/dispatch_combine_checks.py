@@ -165,7 +165,8 @@ def workspace_errors(buf: SymmBuffer, num_calls: int) -> list[str]:
     """The state the workspace must be in after `num_calls` calls on a fresh buffer: counters zero, NVLink barrier
     counter 2 calls, each phase signal num_ranks after an odd number of calls and 0 after an even one."""
     errors = [f"{name} not zero after the call" for name in ("expert_send_count", "expert_recv_count",
-                                                              "l1_arrival_count", "l1_done_count")
+                                                              "l1_arrival_count", "l1_done_count",
+                                                              "combine_arrival_count")
               if bool((buf.view(name).view(torch.int32) != 0).any())]
     header = buf.view("workspace_header").view(torch.int32).cpu().tolist()
     signal = buf.num_ranks if num_calls % 2 else 0
