@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from rich.console import Console  # noqa: E402
 
-from megamoe import bench, bench_comm, cli, heuristics  # noqa: E402
+from megamoe import bench, bench_comm, bench_comm_nccl, cli, heuristics  # noqa: E402
 from megamoe.layout import SymmLayout  # noqa: E402
 
 H4096, H7168 = bench_comm.COMM_SHAPES
@@ -265,8 +265,8 @@ def _gloo_worker(rank: int, port: int, results) -> None:
         layout = SymmLayout.create(2, 16, 64, 6, 256, 128)
         counts = [[37, 0], [0, 64]][rank]
         mine = dcc.random_inputs(layout, counts, "uniform", seed=rank)[rank]
-        baseline = bench_comm.NcclRoundTrip(mine.x, mine.x_sf, mine.topk_idx, mine.topk_weights, 2,
-                                       layout.num_local_experts, dist.group.WORLD)
+        baseline = bench_comm_nccl.NcclRoundTrip(mine.x, mine.x_sf, mine.topk_idx, mine.topk_weights, 2,
+                                                 layout.num_local_experts, dist.group.WORLD)
         error = baseline.check()
         order, recv, in_splits, out_splits = baseline.dispatch(fixed=True)
         # the rows that arrive carry the expert ids of this rank's experts only
