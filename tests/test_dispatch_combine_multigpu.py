@@ -8,6 +8,8 @@ Cases: each routing (uniform, all tokens to one expert, all tokens to the other 
 BLOCK_M, T = T_max on both ranks, T = 0 on one rank only; the ld/st pull path; the legacy knobs and the fused
 kernel's pull (2 warps, 4 rows in flight); 200 back-to-back calls; and a rank
 that never launches, whose peer must report a timeout diagnostic and fail instead of hanging.
+On every visible GPU (2, 4 or 8 ranks; the issue of 4 and 8 GPUs): the seed's shapes (DSV4-Flash: 256 experts,
+4096 x 2048; DSV4-Pro: 384 experts, 7168 x 3072; top-6) at 0, 1, 16, 128 and 4096 tokens per rank.
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ NUM_RANKS = 2
 SHAPE = (NUM_RANKS, 8, 256, 4, 512, 128)
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TIMEOUT_S = 2.0  # device barrier timeout of the timeout scenario
+# The seed's model shapes: name -> (experts, hidden, intermediate, topk); buffers sized for SEED_T_MAX tokens per rank
+SEED_SHAPES = {"dsv4_flash": (256, 4096, 2048, 6), "dsv4_pro": (384, 7168, 3072, 6)}
+SEED_T_MAX = 4096
+SEED_TOKENS = (0, 1, 16, 128, 4096)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,6 +131,33 @@ def _scenario_back_to_back(group: Any, num_calls: int) -> list[str]:
     return errors
 
 
+def _seed_block_m(tokens: int) -> int:
+    """BLOCK_M per token count: 32 at decode sizes, 128 at 4096 (both exercise the pool's padding)."""
+    return 32 if tokens <= 128 else 128
+
+
+def _scenario_seed_shapes(group: Any, shape: str) -> list[str]:
+    """One buffer of the seed's shape on every rank; every token count on all ranks at once, then each rank a
+    different one, uniform routing; exact checks as in _scenario_exact."""
+    import megamoe
+    from megamoe.kernels import dispatch_combine_checks as dcc
+
+    experts, hidden, inter, topk = SEED_SHAPES[shape]
+    buf = megamoe.get_symm_buffer(group, experts, SEED_T_MAX, topk, hidden, inter)
+    num_ranks = buf.num_ranks
+    cases = [[t] * num_ranks for t in SEED_TOKENS]
+    cases.append([SEED_TOKENS[r % len(SEED_TOKENS)] for r in range(num_ranks)])
+    errors = []
+    for call, counts in enumerate(cases):
+        block_m = _seed_block_m(max(counts))
+        inputs = dcc.random_inputs(buf.layout, counts, "uniform", seed=1000 + call)
+        errors += [f"{shape} {num_ranks} ranks bm={block_m} T={counts}: {e}"
+                   for e in dcc.checked_call(buf, inputs, block_m)]
+    errors += dcc.workspace_errors(buf, len(cases))
+    buf.destroy()
+    return errors
+
+
 _KEPT_UNTIL_EXIT: list = []
 
 
@@ -171,7 +204,7 @@ def _scenario_peer_never_arrives(group: Any, release: Any) -> list[str]:
 
 
 _SCENARIOS = {"exact": _scenario_exact, "back_to_back": _scenario_back_to_back,
-              "peer_never_arrives": _scenario_peer_never_arrives}
+              "peer_never_arrives": _scenario_peer_never_arrives, "seed_shapes": _scenario_seed_shapes}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,13 +212,14 @@ _SCENARIOS = {"exact": _scenario_exact, "back_to_back": _scenario_back_to_back,
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _worker(rank: int, port: int, scenario: str, kwargs: dict, results: Any, release: Any) -> None:
+def _worker(rank: int, num_ranks: int, port: int, scenario: str, kwargs: dict, results: Any,
+            release: Any) -> None:
     os.environ.update(NO_MULTICAST_ENV)  # before any NCCL / symmetric-memory initialization (DESIGN 6)
     try:
         import torch.distributed as dist
 
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NUM_RANKS)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
         group = dist.group.WORLD
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -212,33 +246,44 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _spawn(scenario: str, timeout_s: float = 900.0, **kwargs: Any) -> dict[int, list[str]]:
-    import torch.multiprocessing as mp
-
+def _compile_variants(scenario: str, num_ranks: int, kwargs: dict) -> None:
+    """Compile once here (no GPU needed) rather than in every rank at once: the variants the scenario launches."""
     from megamoe.kernels import dispatch_combine as dc
     from megamoe.layout import SymmLayout
 
-    # Compile once here (no GPU needed) rather than in both ranks at once: the variants the scenarios launch
+    if scenario == "seed_shapes":
+        experts, hidden, inter, topk = SEED_SHAPES[kwargs["shape"]]
+        layout = SymmLayout.create(num_ranks, experts, SEED_T_MAX, topk, hidden, inter)
+        for block_m in sorted({_seed_block_m(t) for t in SEED_TOKENS}):
+            dc.compile_kernel(dc.DispatchCombineConfig(layout, block_m))
+        return
     for block_m, bulk, knobs in ((32, True, {}), (64, True, {}), (128, True, {}), (64, False, {}),
                                  (64, True, dc.LEGACY_KNOBS), (64, True, dc.FUSED_PULL_KNOBS)):
         dc.compile_kernel(dc.DispatchCombineConfig(SymmLayout.create(*SHAPE), block_m, bulk, **knobs))
+
+
+def _spawn(scenario: str, timeout_s: float = 900.0, num_ranks: int = NUM_RANKS,
+           **kwargs: Any) -> dict[int, list[str]]:
+    import torch.multiprocessing as mp
+
+    _compile_variants(scenario, num_ranks, kwargs)
     for name, value in NO_MULTICAST_ENV.items():  # inherited by the spawned children as well
         os.environ[name] = value
     ctx = mp.get_context("spawn")
     results, release = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, scenario, kwargs, results, release), daemon=True)
-             for rank in range(NUM_RANKS)]
+    procs = [ctx.Process(target=_worker, args=(rank, num_ranks, port, scenario, kwargs, results, release),
+                         daemon=True) for rank in range(num_ranks)]
     for proc in procs:
         proc.start()
     outcome: dict[int, list[str]] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        while len(outcome) < NUM_RANKS:
+        while len(outcome) < num_ranks:
             try:
                 rank, errors = results.get(timeout=1.0)
             except queue_module.Empty:
-                missing = sorted(set(range(NUM_RANKS)) - outcome.keys())
+                missing = sorted(set(range(num_ranks)) - outcome.keys())
                 dead = [r for r in missing if not procs[r].is_alive()]
                 if dead:
                     pytest.fail(f"{scenario}: ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) "
@@ -292,3 +337,12 @@ def test_two_ranks_back_to_back_200_calls() -> None:
 
 def test_peer_that_never_arrives_times_out() -> None:
     _assert_clean(_spawn("peer_never_arrives", timeout_s=120.0))
+
+
+@pytest.mark.parametrize("shape", list(SEED_SHAPES))
+def test_seed_shapes_every_gpu(shape: str) -> None:
+    """As many ranks as visible GPUs (the issue of 4 and 8 GPUs runs this on nvidia-h200-x4 / -x8)."""
+    num_ranks = torch.cuda.device_count()
+    if num_ranks < 2:
+        pytest.skip("needs 2 or more GPUs")
+    _assert_clean(_spawn("seed_shapes", timeout_s=1200.0, num_ranks=num_ranks, shape=shape))
