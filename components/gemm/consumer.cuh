@@ -97,7 +97,9 @@ MEGAMOE_DEVICE BlockOperands read_operands(const GemmSmem<T>& smem, const Pipeli
 // One K block: issue its WGMMAs, and while they run wait for the next stage and read its operands
 // (kPrefetch: not for the tile's last block, whose successor belongs to a tile that may not exist), then promote.
 // NOTES: L2 mode computes each 128-K block as its two per-64 SF halves into two partials, committed as two
-// WGMMA groups; the first half is promoted while the tensor cores still run the second (wait_group 1). The same
+// WGMMA groups, to promote the first half while the tensor cores still run the second (wait_group 1); ptxas
+// however sinks most of those FFMAs below wait_group 0, which has no register dependency on them (notes/gemm.md,
+// session 8). The same
 // split in L1 mode (both halves with the block's scale) measured slower on the H200 (943 vs 991 TFLOP/s at
 // 32 x 1536 x 4096 x 4096: twice the promotion FMAs), so L1 keeps one group per block (notes/gemm.md).
 // Each warp releases the stage after its wait_group 0 (its reads of the stage are complete); the empty barrier
@@ -135,7 +137,7 @@ MEGAMOE_DEVICE void consume_k_block(const Pipeline<T::kNumStages>& pipeline, Pip
         promote(acc, d_lo, cur.sfa0_lo * cur.sfb_even, cur.sfa0_lo * cur.sfb_odd, cur.sfa8_lo * cur.sfb_even,
                 cur.sfa8_lo * cur.sfb_odd);
     } else {
-        // Two groups, one per 64-K SF half; the first half is promoted while the second half runs
+        // Two groups, one per 64-K SF half; the first half's promotion may overlap the second half (see NOTES)
         float d_hi[WGMMA::kNumAccum];
         ptx::fence_operands(d_lo);
         ptx::fence_operands(d_hi);
