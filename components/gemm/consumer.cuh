@@ -99,9 +99,8 @@ MEGAMOE_DEVICE BlockOperands read_operands(const GemmSmem<T>& smem, const Pipeli
 // NOTES: L2 mode computes each 128-K block as its two per-64 SF halves into two partials, committed as two
 // WGMMA groups, to promote the first half while the tensor cores still run the second (wait_group 1); ptxas
 // however sinks most of those FFMAs below wait_group 0, which has no register dependency on them (notes/gemm.md,
-// session 8). The same
-// split in L1 mode (both halves with the block's scale) measured slower on the H200 (943 vs 991 TFLOP/s at
-// 32 x 1536 x 4096 x 4096: twice the promotion FMAs), so L1 keeps one group per block (notes/gemm.md).
+// session 8). The same split in L1 mode (both halves with the block's scale) measured slower on the H200 (943 vs
+// 991 TFLOP/s at 32 x 1536 x 4096 x 4096: twice the promotion FMAs), so L1 keeps one group per block.
 // Each warp releases the stage after its wait_group 0 (its reads of the stage are complete); the empty barrier
 // counts every math warp. Between the first WGMMA and the last wait only branch-free code may run: a C++ branch
 // or loop while WGMMA is in flight makes ptxas serialize the pipeline (C7518). Hence the next stage's wait is
