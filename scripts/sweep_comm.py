@@ -107,7 +107,9 @@ def main() -> None:
         return
     import torch.multiprocessing as mp
 
-    os.environ.update(__import__("megamoe.buffer", fromlist=["NO_MULTICAST_ENV"]).NO_MULTICAST_ENV)
+    from megamoe.buffer import NO_MULTICAST_ENV
+
+    os.environ.update(NO_MULTICAST_ENV)
     mp.spawn(worker, args=(args.ranks, bc._free_port(), case, args.knobs, args.iters, args.phases), nprocs=args.ranks)
 
 

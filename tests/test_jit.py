@@ -38,6 +38,25 @@ def test_checks_flag_every_rule() -> None:
         assert needle in found, (needle, found)
 
 
+def test_kernel_for_compiles_once_per_config() -> None:
+    pytest.importorskip("torch")
+    from megamoe.jit import runtime
+
+    functions, warnings = compiler.parse_ptxas_report(PTXAS_LOG)
+    calls = []
+
+    def compile_fn(config: tuple) -> compiler.CompileResult:
+        calls.append(config)
+        return compiler.CompileResult(name="k", key=f"kernel-for-{config}", cubin_path=Path("x"),
+                                      source_path=Path("x"), ptxas_log=PTXAS_LOG, functions=functions,
+                                      warnings=warnings, sass_text="", cache_hit=True, compile_seconds=0.0)
+
+    first = runtime.kernel_for(compile_fn, (1, 2), 384)
+    assert runtime.kernel_for(compile_fn, (1, 2), 384) is first
+    assert runtime.kernel_for(compile_fn, (3, 4), 384) is not first
+    assert calls == [(1, 2), (3, 4)]
+
+
 def test_stage_wait_in_flight() -> None:
     overlapped = """
         /*0100*/ QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24, gsb0 ;

@@ -3,9 +3,10 @@ build TMA descriptors. No C++ extension to build: see the README for why."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -189,6 +190,13 @@ def load(compiled: CompileResult, num_threads: int, cooperative: bool = True) ->
     if kernel is None:
         kernel = _loaded_kernels[key] = Kernel(compiled, num_threads, cooperative)
     return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_for(compile_fn: Callable[[Any], CompileResult], config: Any, num_threads: int) -> Kernel:
+    """The Kernel of `compile_fn(config)` (a frozen, hashable config), compiled or found in the cache once per
+    process: launchers call this on every launch, so the source hashing and cache lookup stay off that path."""
+    return load(compile_fn(config), num_threads)
 
 
 def num_sms(device: torch.device | None = None) -> int:

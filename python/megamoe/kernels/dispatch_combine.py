@@ -38,7 +38,6 @@ budget per phase); LEGACY_KNOBS reproduces the first version exactly, the field 
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import string
 from dataclasses import dataclass
@@ -522,13 +521,6 @@ def compile_kernel(config: DispatchCombineConfig) -> CompileResult:
     return compiler.build(config.name, source(config))
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel(config: DispatchCombineConfig) -> Any:
-    from megamoe.jit import runtime
-
-    return runtime.load(compile_kernel(config), NUM_THREADS)
-
-
 def config_for(buf: SymmBuffer, block_m: int | None = None, bulk_pull: bool = True,
                knobs: Mapping[str, Any] | None = None) -> DispatchCombineConfig:
     """The unit kernel variant for `buf` (BLOCK_M from the buffer's shared config unless given; knobs: fields of
@@ -583,7 +575,7 @@ def run(buf: SymmBuffer, num_tokens: int, y: torch.Tensor, *, block_m: int | Non
     if check_inputs:
         check_routing(buf, num_tokens)
     config = config_for(buf, block_m, bulk_pull, knobs)
-    kernel = _kernel(config)
+    kernel = runtime.kernel_for(compile_kernel, config, NUM_THREADS)
     if debug_skip_launch:
         return config
     env = timeout_records().device_env(rank=buf.rank, timeout_s=timeout_s)

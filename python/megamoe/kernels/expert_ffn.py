@@ -246,7 +246,7 @@ def run(config: ExpertFfnConfig, inputs: FfnInputs, outputs: FfnOutputs, *, acti
     from megamoe.jit.diagnostics import timeout_records
 
     validate(config, inputs, outputs, activation_clamp)
-    kernel = runtime.load(compile_expert_ffn(config), NUM_THREADS)
+    kernel = runtime.kernel_for(compile_expert_ffn, config, NUM_THREADS)
     maps = _tensor_maps(config, inputs, outputs)
     env = timeout_records().device_env(rank=0)
     args = [*maps, runtime.ptr(inputs.w1_sf), runtime.ptr(inputs.w2_sf), runtime.ptr(inputs.num_tokens_per_expert),

@@ -118,14 +118,15 @@ def run(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor
         "num_tokens_per_expert": (num_tokens_per_expert, torch.int32, (config.num_experts,)),
         "d": (d, torch.bfloat16, (num_pool_rows, config.n)),
     }
+    if trace is not None:
+        expected["trace"] = (trace, torch.int64, (2, KBLOCK_TRACE_LEN, 4))
     for name, (t, dtype, shape) in expected.items():
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device != a.device:
             raise ValueError(f"{name} must be a contiguous {dtype} {shape} tensor on {a.device}, got {t.dtype} "
                              f"{tuple(t.shape)} on {t.device}")
     if num_pool_rows % 4:
         raise ValueError(f"the pool's row count must be a multiple of 4 (MN-major SF rows of 16 B), got {num_pool_rows}")
-    compiled = compile_gemm(config)
-    kernel = runtime.load(compiled, NUM_THREADS)
+    kernel = runtime.kernel_for(compile_gemm, config, NUM_THREADS)
     maps = _tensor_maps(config, a, a_sf, b)
     env = timeout_records().device_env(rank=0)
     kernel.launch(num_blocks or runtime.num_sms(a.device),

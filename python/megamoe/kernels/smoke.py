@@ -60,8 +60,8 @@ def run(x: torch.Tensor, out: torch.Tensor, config: SmokeConfig = SmokeConfig(),
     if x.dtype != torch.float32 or out.dtype != torch.float32 or x.shape != out.shape or x.dim() != 2:
         raise ValueError(f"smoke: x and out must be fp32 2D of one shape, got {x.dtype} {tuple(x.shape)} and "
                          f"{out.dtype} {tuple(out.shape)}")
-    compiled = compile_smoke(config)
-    kernel = runtime.load(compiled, NUM_THREADS)
+    kernel = runtime.kernel_for(compile_smoke, config, NUM_THREADS)
+    compiled = kernel.compiled
     swizzle = 128 if config.swizzle_128b else 0
     map_in = runtime.TensorMap(x, config.block_rows, config.block_cols, swizzle)
     map_out = runtime.TensorMap(out, config.block_rows, config.block_cols, swizzle)
