@@ -13,27 +13,7 @@ MEGAMOE_DEVICE void zero_words(uint32_t* words, uint32_t num_words, uint32_t thr
         words[i] = 0u;
 }
 
-// Every thread of every CTA calls this.
-// NOTES: when. After a grid sync that follows the last local reader of every counter (the pull reads
-// expert_recv_count, the consumers of pool blocks read l1_arrival_count / l1_done_count), and before the
-// NVLink barrier that lets the peers past this call: a peer's next red.add to expert_recv_count comes after
-// that barrier's acquire, which by the barrier's release chain (its prologue arrives with .sys) is after these
-// zero stores. expert_send_count and the pool-block counters are local: kernel order covers the next call.
-template <uint32_t kNumThreads>
-MEGAMOE_DEVICE void clean_workspace(const SymBuffer& sym, uint32_t cta_idx, uint32_t num_ctas, uint32_t thread_idx) {
-    const uint32_t thread_rank = cta_idx * kNumThreads + thread_idx, num_threads = num_ctas * kNumThreads;
-    zero_words(sym.local<uint32_t>(layout::kExpertSendCountOffset), layout::kNumExperts, thread_rank, num_threads);
-    zero_words(sym.local<uint32_t>(layout::kExpertRecvCountOffset), layout::kNumLocalExperts * layout::kNumRanks,
-               thread_rank, num_threads);
-    zero_words(sym.local<uint32_t>(layout::kL1ArrivalCountOffset), layout::kNumMaxPoolBlocks, thread_rank,
-               num_threads);
-    zero_words(sym.local<uint32_t>(layout::kL1DoneCountOffset), layout::kNumMaxPoolBlocks, thread_rank,
-               num_threads);
-    zero_words(sym.local<uint32_t>(layout::kCombineArrivalCountOffset), layout::kNumMaxTokensPerRank, thread_rank,
-               num_threads);
-}
-
-// The same clean split in two for nvlink_barrier_polled (no grid sync of its own):
+// The clean split in two for nvlink_barrier_polled (clean_workspace below is both halves after its own grid sync) (no grid sync of its own):
 // clean_recv_counts: CTA 0's threads, in the combine barrier's before_signal, i.e. after its prologue grid sync.
 // NOTES: every CTA read expert_recv_count (build_recv_table / prefetch_recv_counts) before it arrived at that
 // grid sync, whose acquire orders those reads before these zero stores; the signals that follow publish the zeros
@@ -64,6 +44,20 @@ MEGAMOE_DEVICE void clean_local_counters(const SymBuffer& sym, uint32_t cta_idx,
                num_threads);
     zero_words(sym.local<uint32_t>(layout::kCombineArrivalCountOffset), layout::kNumMaxTokensPerRank, thread_rank,
                num_threads);
+}
+
+// Every thread of every CTA calls this.
+// NOTES: when. After a grid sync that follows the last local reader of every counter (the pull reads
+// expert_recv_count, the consumers of pool blocks read l1_arrival_count / l1_done_count), and before the
+// NVLink barrier that lets the peers past this call: a peer's next red.add to expert_recv_count comes after
+// that barrier's acquire, which by the barrier's release chain (its prologue arrives with .sys) is after these
+// zero stores. expert_send_count and the pool-block counters are local: kernel order covers the next call.
+template <uint32_t kNumThreads>
+MEGAMOE_DEVICE void clean_workspace(const SymBuffer& sym, uint32_t cta_idx, uint32_t num_ctas, uint32_t thread_idx) {
+    const uint32_t thread_rank = cta_idx * kNumThreads + thread_idx, num_threads = num_ctas * kNumThreads;
+    zero_words(sym.local<uint32_t>(layout::kExpertRecvCountOffset), layout::kNumLocalExperts * layout::kNumRanks,
+               thread_rank, num_threads);
+    clean_local_counters<kNumThreads>(sym, cta_idx, num_ctas, thread_idx);
 }
 
 }  // namespace megamoe::combine
