@@ -175,11 +175,29 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
         epilogue::L1EpilogueState l1_state;
         bool staging_held_by_l2 = false;
 
+        // A task's weight SFs (gemm::WeightScales), loaded before the previous task's epilogue to hide the latency
+        const auto load_weight_scales = [&](const FfnTask& t) {
+            return t.phase == Phase::kL1
+                ? gemm::WeightScales::load<L1>(p.w1_sf, t.tile.expert_idx, t.tile.n_block_idx, lane)
+                : gemm::WeightScales::load<L2>(p.w2_sf, t.tile.expert_idx, t.tile.n_block_idx, lane);
+        };
         gemm::PipelineState<T::kNumStages> state;
         Scheduler scheduler(p.num_tokens_per_expert);
-        FfnTask task;
-        for (uint32_t task_idx = blockIdx.x; scheduler.locate(task_idx, task); task_idx += gridDim.x) {
-            const gemm::Tile& tile = task.tile;
+        FfnTask task, next_task;
+        uint32_t task_idx = blockIdx.x;
+        bool has_task = scheduler.locate(task_idx, task);
+        gemm::WeightScales weight_scales{};
+        if (has_task)
+            weight_scales = load_weight_scales(task);
+        const auto locate_next = [&](FfnTask& next) {
+            task_idx += gridDim.x;
+            const bool found = scheduler.locate(task_idx, next);
+            if (found)
+                weight_scales = load_weight_scales(next);
+            return found;
+        };
+        for (; has_task; task = next_task) {
+            const gemm::Tile tile = task.tile;
             const epilogue::EpilogueTile out_tile{tile.pool_row, tile.n_block_idx, tile.num_valid_rows};
             float acc[epilogue::kNumAccum];
             #pragma unroll
@@ -187,9 +205,8 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 acc[i] = 0.0f;
 
             if (task.phase == Phase::kL1) {
-                gemm::consume_tile<L1>(pipeline, state, smem_l1,
-                                       gemm::WeightScales<L1>::of(p.w1_sf, tile.expert_idx, tile.n_block_idx),
-                                       math_wg_idx, thread_in_wg, acc, env);
+                gemm::consume_tile<L1>(pipeline, state, smem_l1, weight_scales, math_wg_idx, thread_in_wg, acc, env);
+                has_task = locate_next(next_task);
                 if constexpr (T::kDebugL1Acc)
                     epilogue::store_l1_acc_natural<T::kIntermediate>(acc, frag, out_tile, p.l1_acc);
                 // The L1 buffers alias the L2 staging: wait for its readers
@@ -202,9 +219,8 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 // Publish the last L1 tile before waiting for any L2 input (this CTA's L2 producer may need it)
                 if (is_store_thread)
                     l1_state.publish_pending();
-                gemm::consume_tile<L2>(pipeline, state, smem_l2,
-                                       gemm::WeightScales<L2>::of(p.w2_sf, tile.expert_idx, tile.n_block_idx),
-                                       math_wg_idx, thread_in_wg, acc, env);
+                gemm::consume_tile<L2>(pipeline, state, smem_l2, weight_scales, math_wg_idx, thread_in_wg, acc, env);
+                has_task = locate_next(next_task);
 
                 // Stage as BF16 rows once every earlier reader of the staging area is done (the L1 stores were
                 // waited for above, by the thread that issued them, before it reached this barrier)

@@ -1,11 +1,11 @@
 """K-block timeline of CTA 0's math warpgroups (gemm/kblock_trace.cuh) for a `megamoe bench gemm` case, and the
 same case with the producers alone (feed_only): where a K block's SM clocks go (WGMMA, promotion, the rest).
 
-Usage: PYTHONPATH=python python3 scripts/trace_gemm.py [case index ...] [--compile-only]
+Usage: PYTHONPATH=python python3 scripts/trace_gemm.py [case index ...] [--knobs num_stages=5 ...] [--compile-only]
 """
 from __future__ import annotations
 
-import sys
+import argparse
 from dataclasses import replace
 
 import torch
@@ -13,11 +13,13 @@ import torch
 from megamoe import bench
 from megamoe.bench import GEMM_CASES
 from megamoe.kernels import gemm
+from sweep_gemm import parse_knobs
 
-def configs(index: int) -> list[gemm.GemmConfig]:
+def configs(index: int, knobs: list[str]) -> list[gemm.GemmConfig]:
+    """The case traced under each knob setting, then its producers alone (feed_only)."""
     case = GEMM_CASES[index]
     base = gemm.GemmConfig(case.block_m, case.mode, case.n, case.k, case.num_groups, trace=True)
-    return [base, replace(base, feed_only=True)]
+    return [replace(base, **parse_knobs(k)) for k in knobs] + [replace(base, feed_only=True)]
 
 
 def summarize(name: str, trace: torch.Tensor, first: int = 40, count: int = 200) -> None:
@@ -39,15 +41,19 @@ def summarize(name: str, trace: torch.Tensor, first: int = 40, count: int = 200)
 
 
 def main() -> None:
-    indices = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [1, 3]
-    for index in indices:
-        for config in configs(index):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("cases", type=int, nargs="*", default=[1, 3])
+    parser.add_argument("--knobs", nargs="+", default=[""])
+    parser.add_argument("--compile-only", action="store_true")
+    args = parser.parse_args()
+    for index in args.cases:
+        for config in configs(index, args.knobs):
             gemm.compile_gemm(config)
-    if "--compile-only" in sys.argv:
+    if args.compile_only:
         return
-    for index in indices:
+    for index in args.cases:
         case = GEMM_CASES[index]
-        for config in configs(index):
+        for config in configs(index, args.knobs):
             problem = gemm.make_problem(config, [case.rows] * case.num_groups, small_int=False)
             d = torch.empty(problem.num_pool_rows, case.n, dtype=torch.bfloat16, device="cuda")
             trace = torch.zeros(2, gemm.KBLOCK_TRACE_LEN, 4, dtype=torch.int64, device="cuda")

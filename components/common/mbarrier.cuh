@@ -9,6 +9,10 @@ MEGAMOE_DEVICE void mbarrier_init(uint64_t* bar, uint32_t arrive_count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrive_count) : "memory");
 }
 
+MEGAMOE_DEVICE void mbarrier_arrive_at(uint32_t bar_addr) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar_addr) : "memory");
+}
+
 MEGAMOE_DEVICE void mbarrier_arrive(uint64_t* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
@@ -46,7 +50,7 @@ MEGAMOE_DEVICE void mbarrier_wait(const DeviceEnv& env, const char* tag, uint64_
 // loop or branch, so it may run while WGMMA is in flight (a C++ spin loop there makes ptxas serialize the
 // pipeline, C7518). Returns 0 once the phase completed, or the ns waited when that exceeded timeout_ns: the
 // caller reports the timeout (megamoe_report_timeout) after its WGMMA wait.
-MEGAMOE_DEVICE uint64_t mbarrier_wait_inline(uint64_t* bar, uint32_t parity, uint64_t timeout_ns) {
+MEGAMOE_DEVICE uint64_t mbarrier_wait_inline_at(uint32_t bar_addr, uint32_t parity, uint64_t timeout_ns) {
     uint64_t waited;
     asm volatile(
         "{\n"
@@ -67,7 +71,7 @@ MEGAMOE_DEVICE uint64_t mbarrier_wait_inline(uint64_t* bar, uint32_t parity, uin
         "MEGAMOE_INLINE_WAIT_DONE:\n"
         "}\n"
         : "=l"(waited)
-        : "r"(smem_addr(bar)), "r"(parity), "l"(timeout_ns)
+        : "r"(bar_addr), "r"(parity), "l"(timeout_ns)
         : "memory");
     return waited;
 }

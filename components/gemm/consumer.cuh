@@ -23,23 +23,43 @@ struct Fragment {
     }
 };
 
-// Pointers to the weight SFs of one tile, one float per K block (read with __ldg).
-template <typename T>
+// The weight SFs of one tile, one float per K block, read with __ldg once per tile and held in registers: lane l
+// of every warp holds K blocks l and l + 32; a K block's SF is a warp shuffle away. (Read per K block with __ldg
+// instead, the load, its 64-bit address arithmetic and the wait for it cost ~9% of the math warps' samples: ncu,
+// session 9.) Load it early (before the previous tile's epilogue) to hide the latency.
 struct WeightScales {
-    const float* first;   // L1: gate rows; L2: the tile's rows
-    const float* second;  // L1: up rows; L2: unused
+    float first_lo, first_hi;    // L1: gate row; L2: the tile's row
+    float second_lo, second_hi;  // L1: up row; L2: unused
 
     // w_sf is [E, N / 128, K / 128]. L1 (interleaved tile n holds gate rows [64 n, 64 n + 64) and up rows
     // [I + 64 n, ...)): gate SF row n / 2, up SF row I / 128 + n / 2.
-    MEGAMOE_DEVICE static WeightScales of(const float* w_sf, uint32_t expert_idx, uint32_t n_block_idx) {
+    template <typename T>
+    MEGAMOE_DEVICE static WeightScales load(const float* w_sf, uint32_t expert_idx, uint32_t n_block_idx,
+                                            uint32_t lane) {
+        static_assert(T::kNumKBlocks <= 64, "a tile's weight SFs fit two registers per lane and row (K <= 8192)");
         const float* expert_sf = w_sf + expert_idx * T::kNumNBlocks * T::kNumKBlocks;
+        const float* first = expert_sf + (T::kScaleMode == ScaleMode::kL1GateUp ? n_block_idx / 2 : n_block_idx) *
+                                             T::kNumKBlocks;
+        WeightScales ws;
+        ws.first_lo = lane < T::kNumKBlocks ? __ldg(first + lane) : 0.0f;
+        ws.first_hi = lane + 32 < T::kNumKBlocks ? __ldg(first + lane + 32) : 0.0f;
         if constexpr (T::kScaleMode == ScaleMode::kL1GateUp) {
-            constexpr uint32_t kNumGateSfRows = T::kNumNBlocks / 2;
-            return {expert_sf + (n_block_idx / 2) * T::kNumKBlocks,
-                    expert_sf + (kNumGateSfRows + n_block_idx / 2) * T::kNumKBlocks};
+            const float* second = first + (T::kNumNBlocks / 2) * T::kNumKBlocks;
+            ws.second_lo = lane < T::kNumKBlocks ? __ldg(second + lane) : 0.0f;
+            ws.second_hi = lane + 32 < T::kNumKBlocks ? __ldg(second + lane + 32) : 0.0f;
         } else {
-            return {expert_sf + n_block_idx * T::kNumKBlocks, nullptr};
+            ws.second_lo = ws.first_lo;
+            ws.second_hi = ws.first_hi;
         }
+        return ws;
+    }
+
+    // Branch-free (may run while WGMMA is in flight): a select and a shuffle
+    MEGAMOE_DEVICE float first_at(uint32_t k_block_idx) const {
+        return __shfl_sync(0xffffffffu, k_block_idx < 32 ? first_lo : first_hi, k_block_idx % 32);
+    }
+    MEGAMOE_DEVICE float second_at(uint32_t k_block_idx) const {
+        return __shfl_sync(0xffffffffu, k_block_idx < 32 ? second_lo : second_hi, k_block_idx % 32);
     }
 };
 
@@ -78,19 +98,19 @@ struct BlockOperands {
 // Read the operands of K block `k_block_idx` from the stage at `state` (its full barrier already waited for).
 template <typename T>
 MEGAMOE_DEVICE BlockOperands read_operands(const GemmSmem<T>& smem, const PipelineState<T::kNumStages>& state,
-                                           const WeightScales<T>& weight_scales, uint32_t k_block_idx,
+                                           const WeightScales& weight_scales, uint32_t k_block_idx,
                                            uint32_t a_offset, uint32_t sf_row0, uint32_t sf_row8) {
     constexpr uint32_t kHiOffset = T::kScaleMode == ScaleMode::kL2Per64 ? T::BLOCK_M : 0;
     const float* sfa = smem.sfa(state.stage);
     BlockOperands ops;
-    ops.desc_a = ptx::make_smem_desc_k_major_sw128(smem.a(state.stage) + a_offset);
-    ops.desc_b = ptx::make_smem_desc_k_major_sw128(smem.b(state.stage));
+    ops.desc_a = ptx::make_smem_desc_k_major_sw128_at(smem.a_addr(state.stage) + a_offset);
+    ops.desc_b = ptx::make_smem_desc_k_major_sw128_at(smem.b_addr(state.stage));
     ops.sfa0_lo = sfa[sf_row0];
     ops.sfa8_lo = sfa[sf_row8];
     ops.sfa0_hi = sfa[kHiOffset + sf_row0];
     ops.sfa8_hi = sfa[kHiOffset + sf_row8];
-    ops.sfb_even = __ldg(weight_scales.first + k_block_idx);
-    ops.sfb_odd = T::kScaleMode == ScaleMode::kL1GateUp ? __ldg(weight_scales.second + k_block_idx) : ops.sfb_even;
+    ops.sfb_even = weight_scales.first_at(k_block_idx);
+    ops.sfb_odd = T::kScaleMode == ScaleMode::kL1GateUp ? weight_scales.second_at(k_block_idx) : ops.sfb_even;
     return ops;
 }
 
@@ -104,10 +124,10 @@ MEGAMOE_DEVICE BlockOperands read_operands(const GemmSmem<T>& smem, const Pipeli
 // Each warp releases the stage after its wait_group 0 (its reads of the stage are complete); the empty barrier
 // counts every math warp. Between the first WGMMA and the last wait only branch-free code may run: a C++ branch
 // or loop while WGMMA is in flight makes ptxas serialize the pipeline (C7518). Hence the next stage's wait is
-// one asm block (ptx::mbarrier_wait_inline) whose timeout is reported after the WGMMA wait.
+// one asm block (ptx::mbarrier_wait_inline_at) whose timeout is reported after the WGMMA wait.
 template <typename T, bool kPrefetch, bool kTrace>
 MEGAMOE_DEVICE void consume_k_block(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
-                                    const GemmSmem<T>& smem, const WeightScales<T>& weight_scales,
+                                    const GemmSmem<T>& smem, const WeightScales& weight_scales,
                                     uint32_t k_block_idx, uint32_t a_offset, uint32_t sf_row0, uint32_t sf_row8,
                                     uint32_t lane, BlockOperands& ops, float (&acc)[WGMMA::kNumAccum],
                                     float (&d_lo)[WGMMA::kNumAccum], const DeviceEnv& env,
@@ -175,7 +195,7 @@ MEGAMOE_DEVICE void consume_k_block(const Pipeline<T::kNumStages>& pipeline, Pip
 // alone sustain.
 template <typename T, bool kTrace = false, bool kFeedOnly = false>
 MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
-                                 const GemmSmem<T>& smem, const WeightScales<T>& weight_scales,
+                                 const GemmSmem<T>& smem, const WeightScales& weight_scales,
                                  uint32_t math_wg_idx, uint32_t thread_in_wg, float (&acc)[WGMMA::kNumAccum],
                                  const DeviceEnv& env, KBlockTrace<kTrace>* trace = nullptr) {
     const Fragment frag = Fragment::of(math_wg_idx, thread_in_wg);

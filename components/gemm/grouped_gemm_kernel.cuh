@@ -15,21 +15,79 @@
 
 namespace megamoe::gemm {
 
-// Store the accumulator as BF16, rows below `num_valid_rows` only (padding rows never written).
+// The output tile leaves through shared memory as coalesced 16-byte stores, in two passes of 64 columns (a
+// thread's fragment holds 2-column pairs of 2 rows: stored directly, each warp store touches 8 rows with 16 bytes
+// each and the LSU queue throttles; ncu, session 9: 6.7% of all warp samples on those stores). Half a tile of
+// staging keeps six 32 KiB stages within the shared memory of BLOCK_M = 128. Row r of a pass is 128 bytes, 8
+// chunks of 8 columns; chunk c sits at slot c ^ (r % 8), so that a warp's fragment writes (8 rows x 4 lanes of
+// one chunk) fall into 32 distinct banks.
 template <typename T>
-MEGAMOE_DEVICE void store_tile_bf16(const float (&acc)[WGMMA::kNumAccum], const Fragment& frag, const Tile& tile,
-                                    __nv_bfloat16* d) {
+struct OutputStaging {
+    static constexpr uint32_t kNumPasses = 2;
+    static constexpr uint32_t kPassCols = T::BLOCK_N / kNumPasses;
+    static constexpr uint32_t kNumChunks = kPassCols / 8;  // per row and pass
+    static constexpr uint32_t kRowBytes = kPassCols * 2;
+    static constexpr uint32_t kBytes = T::BLOCK_M * kRowBytes;
+    static constexpr uint32_t kOffset = align_up<uint32_t>(T::kSmemBytes, 1024);
+    static constexpr uint32_t kKernelSmemBytes = kOffset + kBytes;  // the standalone kernel's whole carve-up
+    static_assert(kNumChunks == 8 and T::BLOCK_N == WGMMA::N, "64-column passes over one 128-column WGMMA tile");
+    static_assert(kKernelSmemBytes <= kSmemLimit, "ring + output staging over the SM90 per-block limit");
+
+    MEGAMOE_DEVICE static uint32_t slot_offset(uint32_t row, uint32_t chunk) {
+        return row * kRowBytes + ((chunk ^ (row % 8)) * 16);
+    }
+};
+
+// Named barriers of the standalone kernel's math threads (0 is __syncthreads)
+constexpr uint32_t kStagingFreeBarrierIdx = 1;  // every thread finished copying the previous pass out
+constexpr uint32_t kStagedBarrierIdx = 2;       // the pass is staged
+
+// Stage pass `kPass` of this warpgroup's accumulator rows (below BLOCK_M: with BLOCK_M = 32 the WGMMA rows
+// 32..63 are discarded).
+template <typename T, uint32_t kPass>
+MEGAMOE_DEVICE void stage_pass_bf16(const float (&acc)[WGMMA::kNumAccum], const Fragment& frag, uint8_t* staging) {
+    using Staging = OutputStaging<T>;
     #pragma unroll
     for (uint32_t half = 0; half < 2; ++ half) {
         const uint32_t row = frag.row + half * 8;
-        if (row >= tile.num_valid_rows)
+        if (row >= T::BLOCK_M)
             continue;
-        auto* out = d + static_cast<uint64_t>(tile.pool_row + row) * T::SHAPE_N + tile.n_block_idx * T::BLOCK_N + frag.col;
         #pragma unroll
-        for (uint32_t j = 0; j < WGMMA::N / 8; ++ j)
-            *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) =
-                __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        for (uint32_t c = 0; c < Staging::kNumChunks; ++ c) {
+            const uint32_t j = kPass * Staging::kNumChunks + c;
+            const __nv_bfloat162 pair = __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+            *reinterpret_cast<__nv_bfloat162*>(staging + Staging::slot_offset(row, c) + frag.col * 2) = pair;
+        }
     }
+}
+
+// Copy the staged rows below `tile.num_valid_rows` out, 16 bytes per thread and step (padding rows never written).
+template <typename T, uint32_t kPass>
+MEGAMOE_DEVICE void copy_staged_pass(const uint8_t* staging, const Tile& tile, __nv_bfloat16* d,
+                                     uint32_t math_thread_idx) {
+    using Staging = OutputStaging<T>;
+    __nv_bfloat16* tile_out = d + static_cast<uint64_t>(tile.pool_row) * T::SHAPE_N + tile.n_block_idx * T::BLOCK_N +
+                              kPass * Staging::kPassCols;
+    const uint32_t num_chunks = tile.num_valid_rows * Staging::kNumChunks;
+    for (uint32_t i = math_thread_idx; i < num_chunks; i += T::kNumMathThreads) {
+        const uint32_t row = i / Staging::kNumChunks, chunk = i % Staging::kNumChunks;
+        const int4 value = *reinterpret_cast<const int4*>(staging + Staging::slot_offset(row, chunk));
+        *reinterpret_cast<int4*>(tile_out + static_cast<uint64_t>(row) * T::SHAPE_N + chunk * 8) = value;
+    }
+}
+
+// The whole tile, pass by pass: stage once every thread copied the previous pass out, copy once it is staged.
+template <typename T>
+MEGAMOE_DEVICE void store_tile_bf16(const float (&acc)[WGMMA::kNumAccum], const Fragment& frag, const Tile& tile,
+                                    uint8_t* staging, __nv_bfloat16* d, uint32_t math_thread_idx) {
+    ptx::named_barrier_sync<kStagingFreeBarrierIdx, T::kNumMathThreads>();
+    stage_pass_bf16<T, 0>(acc, frag, staging);
+    ptx::named_barrier_sync<kStagedBarrierIdx, T::kNumMathThreads>();
+    copy_staged_pass<T, 0>(staging, tile, d, math_thread_idx);
+    ptx::named_barrier_sync<kStagingFreeBarrierIdx, T::kNumMathThreads>();
+    stage_pass_bf16<T, 1>(acc, frag, staging);
+    ptx::named_barrier_sync<kStagedBarrierIdx, T::kNumMathThreads>();
+    copy_staged_pass<T, 1>(staging, tile, d, math_thread_idx);
 }
 
 // kTrace: CTA 0 records its K blocks' timeline into `trace` (gemm/kblock_trace.cuh). kFeedOnly: no math (the
@@ -76,20 +134,33 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
         ptx::setmaxnreg_inc<kNumMathRegs>();
         const uint32_t math_wg_idx = warp / 4 - 1, thread_in_wg = threadIdx.x % 128;
         const Fragment frag = Fragment::of(math_wg_idx, thread_in_wg);
+        uint8_t* staging = smem_buffer + OutputStaging<T>::kOffset;
         KBlockTrace<kTrace> tracer{blockIdx.x == 0 and thread_in_wg == 0 and trace != nullptr
                                        ? trace + math_wg_idx * kMaxTracedKBlocks * kNumKBlockEvents : nullptr};
         PipelineState<T::kNumStages> state;
         Scheduler scheduler(num_tokens_per_expert);
-        Tile tile;
-        for (uint32_t tile_idx = blockIdx.x; scheduler.locate(tile_idx, tile); tile_idx += gridDim.x) {
+        // The next tile's weight SFs are loaded before this tile's epilogue, which hides their latency
+        Tile tile, next_tile;
+        uint32_t tile_idx = blockIdx.x;
+        bool has_tile = scheduler.locate(tile_idx, tile);
+        WeightScales weight_scales{};
+        if (has_tile)
+            weight_scales = WeightScales::load<T>(w_sf, tile.expert_idx, tile.n_block_idx, lane);
+        while (has_tile) {
             float acc[WGMMA::kNumAccum];
             #pragma unroll
             for (uint32_t i = 0; i < WGMMA::kNumAccum; ++ i)
                 acc[i] = 0.0f;
-            consume_tile<T, kTrace, kFeedOnly>(pipeline, state, smem, WeightScales<T>::of(w_sf, tile.expert_idx, tile.n_block_idx),
-                            math_wg_idx, thread_in_wg, acc, env, &tracer);
+            consume_tile<T, kTrace, kFeedOnly>(pipeline, state, smem, weight_scales, math_wg_idx, thread_in_wg, acc,
+                                               env, &tracer);
+            tile_idx += gridDim.x;
+            const bool has_next = scheduler.locate(tile_idx, next_tile);
+            if (has_next)
+                weight_scales = WeightScales::load<T>(w_sf, next_tile.expert_idx, next_tile.n_block_idx, lane);
             if constexpr (not kFeedOnly)
-                store_tile_bf16<T>(acc, frag, tile, d);
+                store_tile_bf16<T>(acc, frag, tile, staging, d, threadIdx.x - kFirstMathThread);
+            tile = next_tile;
+            has_tile = has_next;
         }
     } else {
         // WG2 without work (BLOCK_M <= 64): give its registers back

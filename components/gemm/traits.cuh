@@ -62,6 +62,10 @@ struct GemmTraits {
 template <typename T>
 struct GemmSmem {
     uint8_t* base;
+    uint32_t base_addr = smem_addr(base);  // shared-window address of base, computed once
+
+    MEGAMOE_DEVICE uint32_t a_addr(uint32_t stage) const { return base_addr + T::kOffsetA + stage * T::kStageBytesA; }
+    MEGAMOE_DEVICE uint32_t b_addr(uint32_t stage) const { return base_addr + T::kOffsetB + stage * T::kStageBytesB; }
 
     MEGAMOE_DEVICE uint8_t* a(uint32_t stage) const { return base + T::kOffsetA + stage * T::kStageBytesA; }
     MEGAMOE_DEVICE uint8_t* b(uint32_t stage) const { return base + T::kOffsetB + stage * T::kStageBytesB; }

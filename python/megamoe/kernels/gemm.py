@@ -40,7 +40,8 @@ class GemmConfig:
             raise ValueError(f"n must be a multiple of {256 if self.mode == 'l1' else 128} and k of 128, "
                              f"got n={self.n} k={self.k}")
         if self.num_stages == 0:
-            object.__setattr__(self, "num_stages", min(MAX_NUM_STAGES, (SMEM_LIMIT - 1024) // self.stage_bytes))
+            object.__setattr__(self, "num_stages", min(MAX_NUM_STAGES, (SMEM_LIMIT - 1024 - self.staging_bytes) //
+                                                       (self.stage_bytes + 16)))
         if self.num_stages < MIN_NUM_STAGES or self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"{self}: {self.num_stages} stages need {self.smem_bytes} B of shared memory")
 
@@ -54,8 +55,14 @@ class GemmConfig:
         return max(self.block_m, 64) * BLOCK_K + BLOCK_N * BLOCK_K + sfa
 
     @property
+    def staging_bytes(self) -> int:
+        """Half the output tile staged as BF16 rows after the ring (gemm/grouped_gemm_kernel.cuh: OutputStaging)."""
+        return self.block_m * BLOCK_N
+
+    @property
     def smem_bytes(self) -> int:
-        return self.num_stages * (self.stage_bytes + 16)
+        ring = self.num_stages * (self.stage_bytes + 16)
+        return -(-ring // 1024) * 1024 + self.staging_bytes
 
     @property
     def name(self) -> str:
@@ -79,7 +86,8 @@ def source(config: GemmConfig) -> str:
 
 using Traits = megamoe::gemm::GemmTraits<{config.block_m}, {config.num_stages}, megamoe::gemm::ScaleMode::{mode},
                                          {config.n}, {config.k}>;
-static_assert(Traits::kSmemBytes == {config.smem_bytes}, "host and device disagree on the shared-memory size");
+static_assert(megamoe::gemm::OutputStaging<Traits>::kKernelSmemBytes == {config.smem_bytes},
+              "host and device disagree on the shared-memory size");
 
 extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
 {config.name}(const __grid_constant__ CUtensorMap tensor_map_a, const __grid_constant__ CUtensorMap tensor_map_sfa,

@@ -1,0 +1,93 @@
+"""Compare GEMM schedule knobs (GemmConfig fields, e.g. num_stages) on `megamoe bench gemm` cases, with the cuBLAS
+blockwise loop timed in the same rounds: each round times every variant once (graphed, median of `iters`), so
+clock drift and thermal state hit all of them alike; the table gives the median, min and max over the rounds.
+Every variant's output is compared bit for bit with the first variant's (schedules must not change results).
+For choosing defaults; the targets are judged by `megamoe bench gemm`.
+
+Usage: PYTHONPATH=python python3 scripts/sweep_gemm.py [--cases 1 2 3] [--knobs "" num_stages=5 ...]
+           [--rounds 5] [--compile-only]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import replace
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from megamoe import bench
+from megamoe.bench import GEMM_CASES
+from megamoe.kernels import gemm
+
+DEFAULT_KNOBS = ("", "num_stages=5")  # "" is the default config
+
+
+def parse_knobs(text: str) -> dict[str, object]:
+    knobs: dict[str, object] = {}
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=")
+        knobs[key] = int(value) if value.isdigit() else value
+    return knobs
+
+
+def configs(index: int, knobs: list[str]) -> list[gemm.GemmConfig]:
+    case = GEMM_CASES[index]
+    base = gemm.GemmConfig(case.block_m, case.mode, case.n, case.k, case.num_groups)
+    return [replace(base, **parse_knobs(k)) for k in knobs]
+
+
+def sweep_case(index: int, knobs: list[str], rounds: int, iters: int, console: Console) -> None:
+    case = GEMM_CASES[index]
+    variants = configs(index, knobs)
+    problem = gemm.make_problem(variants[0], [case.rows] * case.num_groups, small_int=False)
+    flops = 2.0 * case.num_groups * case.rows * case.n * case.k
+    outputs, runners = [], {}
+    for knob, config in zip(knobs, variants):
+        d = torch.full((problem.num_pool_rows, case.n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        problem.config = config
+        gemm.run_problem(problem, d)
+        torch.cuda.synchronize()
+        outputs.append(d)
+        runners[knob or "default"] = bench.graphed(lambda p=replace(problem), d=d: gemm.run_problem(p, d))
+    problem.config = variants[0]
+    mismatched = {k or "default": int((o.view(torch.int16) != outputs[0].view(torch.int16)).sum().item())
+                  for k, o in zip(knobs, outputs)}
+    runners["cuBLAS blockwise loop"] = bench.graphed(bench._cublas_blockwise(problem))
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, fn in runners.items():
+            times[name].append(bench.time_us(fn, iters=iters))
+    table = Table(title=f"{case.name} ({rounds} rounds x median of {iters})")
+    for col in ("variant", "median us", "TFLOP/s", "min..max us", "spread", "outputs != first"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        table.add_row(name, f"{med:.1f}", f"{flops / med / 1e6:.0f}", f"{min(ts):.1f}..{max(ts):.1f}",
+                      f"{100 * (max(ts) - min(ts)) / med:.1f}%", str(mismatched.get(name, "")))
+    console.print(table)
+    del problem, outputs, runners
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--knobs", nargs="+", default=list(DEFAULT_KNOBS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--compile-only", action="store_true")
+    args = parser.parse_args()
+    for index in args.cases:
+        for config in configs(index, args.knobs):
+            gemm.compile_gemm(config)
+    if args.compile_only:
+        return
+    console = Console(width=140)
+    for index in args.cases:
+        sweep_case(index, args.knobs, args.rounds, args.iters, console)
+
+
+if __name__ == "__main__":
+    main()
