@@ -178,7 +178,37 @@ GEMM_CASES = [
     GemmCase("prefill 32x1536", 32, 1536, 4096, 4096, "l1", 128),
     GemmCase("4x8192 K7168", 4, 8192, 4096, 7168, "l1", 128),
     GemmCase("L2 32x1536 K2048", 32, 1536, 4096, 2048, "l2", 128),
+    GemmCase("L1 32x1536 K2048", 32, 1536, 4096, 2048, "l1", 128),  # the L2 row's shape in L1 mode
 ]
+
+
+def gemm_targets(results: list[CaseResult]) -> list[dict[str, Any]]:
+    """The GEMM issue's targets, judged on one run's results (ours = each case's first measurement)."""
+    by_case = {r.case: r.measurements for r in results}
+
+    def ours(case: str) -> Measurement | None:
+        ms = by_case.get(case)
+        return ms[0] if ms and ms[0].time_us is not None else None
+
+    def cublas(case: str) -> Measurement | None:
+        return next((m for m in by_case.get(case, []) if m.impl.startswith("cuBLAS") and m.time_us), None)
+
+    targets: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, goal: str, met: bool | None) -> None:
+        targets.append({"target": name, "value": value, "goal": goal, "met": met})
+
+    decode, prefill, big = ours("decode 32x24"), ours("prefill 32x1536"), ours("4x8192 K7168")
+    l2, l1_same = ours("L2 32x1536 K2048"), ours("L1 32x1536 K2048")
+    add("decode weight TB/s", decode and decode.weight_gbps / 1e3, ">= 3.3", decode and decode.weight_gbps >= 3300)
+    base = cublas("prefill 32x1536")
+    add("prefill / cuBLAS loop (speedup)", prefill and base and base.time_us / prefill.time_us, "> 1",
+        prefill and base and prefill.time_us < base.time_us)
+    add("4x8192 K7168 TFLOP/s", big and big.tflops, ">= 1100", big and big.tflops >= 1100)
+    for name, ref in (("L2 / L1 same shape (K2048)", l1_same), ("L2 / L1 prefill (K4096)", prefill)):
+        ratio = l2 and ref and l2.tflops / ref.tflops
+        add(name, ratio, ">= 0.80", ratio and ratio >= 0.80)
+    return targets
 
 
 def _cublas_blockwise(problem) -> Callable[[], None]:
@@ -252,7 +282,11 @@ def results_table(title: str, results: list[CaseResult]) -> Table:
 def gemm_report(results: list[CaseResult]) -> tuple[dict[str, Any], Table]:
     """The JSON's fields besides the results, and the table."""
     device = torch.cuda.get_device_name()
-    return {"device": device}, results_table(f"megamoe bench gemm on {device}", results)
+    targets = gemm_targets(results)
+    table = results_table(f"megamoe bench gemm on {device}", results)
+    table.caption = "targets: " + "; ".join(f"{t['target']} {fmt(t['value'], '.2f')} ({t['goal']}: {fmt_met(t['met'])})"
+                                           for t in targets)
+    return {"device": device, "targets": targets}, table
 
 
 # ---------------------------------------------------------------------------------------------------------------

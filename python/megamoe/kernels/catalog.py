@@ -26,6 +26,7 @@ GEMM_BENCH_CONFIGS = [
     gemm.GemmConfig(128, "l1", 4096, 4096, 32),   # prefill-like: 32 groups x 1536 rows
     gemm.GemmConfig(128, "l1", 4096, 7168, 4),    # 4 groups x 8192 rows
     gemm.GemmConfig(128, "l2", 4096, 2048, 32),   # L2 mode: 32 groups x 1536 rows
+    gemm.GemmConfig(128, "l1", 4096, 2048, 32),   # the L2 row's shape in L1 mode
 ]
 SMOKE_CONFIGS = [smoke.SmokeConfig(32, 32, True), smoke.SmokeConfig(32, 64, False)]
 

@@ -1,0 +1,51 @@
+"""`megamoe bench gemm` without a GPU: the cases are the GEMM issue's loads, and the targets are judged right from
+fake timings (met and missed on each side of every threshold)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from megamoe import bench  # noqa: E402
+
+
+def _results(ours_us: dict[str, float], cublas_us: dict[str, float]) -> list[bench.CaseResult]:
+    results = []
+    for case in bench.GEMM_CASES:
+        flops = 2.0 * case.num_groups * case.rows * case.n * case.k
+        result = bench.CaseResult(case.name, flops, float(case.num_groups * case.n * case.k))
+        result.add("megamoe", ours_us[case.name])
+        result.add("cuBLAS blockwise loop (graphed)", cublas_us[case.name])
+        results.append(result)
+    return results
+
+
+def _us_for(tflops: float, case: bench.GemmCase) -> float:
+    return 2.0 * case.num_groups * case.rows * case.n * case.k / tflops / 1e6
+
+
+def test_cases_are_the_issue_loads() -> None:
+    shapes = {(c.num_groups, c.rows, c.n, c.k, c.mode) for c in bench.GEMM_CASES}
+    assert {(32, 24, 4096, 4096, "l1"), (32, 1536, 4096, 4096, "l1"), (4, 8192, 4096, 7168, "l1"),
+            (32, 1536, 4096, 2048, "l2"), (32, 1536, 4096, 2048, "l1")} == shapes
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_targets_judged_from_timings(good: bool) -> None:
+    cases = {c.name: c for c in bench.GEMM_CASES}
+    scale = 1.0 if good else 0.9  # 10% slower than the thresholds below allow
+    ours = {
+        "decode 32x24": cases["decode 32x24"].num_groups * 4096 * 4096 / (3.5e3 * scale) / 1e3,
+        "prefill 32x1536": _us_for(1100 * scale, cases["prefill 32x1536"]),
+        "4x8192 K7168": _us_for(1150 * scale, cases["4x8192 K7168"]),
+        "L1 32x1536 K2048": _us_for(1100, cases["L1 32x1536 K2048"]),
+        "L2 32x1536 K2048": _us_for(1100 * 0.85 * scale * scale, cases["L2 32x1536 K2048"]),
+    }
+    cublas = {name: 1e4 for name in ours}
+    cublas["prefill 32x1536"] = 1.05 * _us_for(1100, cases["prefill 32x1536"])
+    targets = {t["target"]: t for t in bench.gemm_targets(_results(ours, cublas))}
+    assert len(targets) == 5
+    for target in targets.values():
+        assert target["met"] is good, target
+    assert targets["prefill / cuBLAS loop (speedup)"]["value"] == pytest.approx(1.05 * scale)
+    assert targets["L2 / L1 same shape (K2048)"]["value"] == pytest.approx(0.85 * scale * scale)
