@@ -13,10 +13,6 @@ MEGAMOE_DEVICE void mbarrier_arrive_at(uint32_t bar_addr) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar_addr) : "memory");
 }
 
-MEGAMOE_DEVICE void mbarrier_arrive(uint64_t* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
 // Arrive and add `num_bytes` to the transaction count the current phase waits for (TMA completes them).
 MEGAMOE_DEVICE void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t num_bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(num_bytes)

@@ -12,13 +12,9 @@ namespace megamoe::ptx {
 // (unused for swizzled K-major layouts whose K extent fits in the swizzle atom: set to 1), stride-
 // dimension byte offset >> 4 in [32, 46) (1024 B between 8-row groups), base offset [49, 52) (0: tiles
 // are 1024 B aligned), swizzle mode in [62, 64) (1 = 128 B).
+// smem_address: the tile's shared-window address (smem_addr).
 MEGAMOE_DEVICE uint64_t make_smem_desc_k_major_sw128_at(uint32_t smem_address) {
     const uint64_t addr = smem_address;
-    return ((addr & 0x3ffff) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
-
-MEGAMOE_DEVICE uint64_t make_smem_desc_k_major_sw128(const void* smem_ptr) {
-    const uint64_t addr = smem_addr(smem_ptr);
     return ((addr & 0x3ffff) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 

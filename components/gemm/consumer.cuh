@@ -40,13 +40,15 @@ struct WeightScales {
         const float* expert_sf = w_sf + expert_idx * T::kNumNBlocks * T::kNumKBlocks;
         const float* first = expert_sf + (T::kScaleMode == ScaleMode::kL1GateUp ? n_block_idx / 2 : n_block_idx) *
                                              T::kNumKBlocks;
+        // One row's K blocks lane and lane + 32 (0 past the row's end)
+        const auto load_row = [lane](const float* row, float& lo, float& hi) {
+            lo = lane < T::kNumKBlocks ? __ldg(row + lane) : 0.0f;
+            hi = lane + 32 < T::kNumKBlocks ? __ldg(row + lane + 32) : 0.0f;
+        };
         WeightScales ws;
-        ws.first_lo = lane < T::kNumKBlocks ? __ldg(first + lane) : 0.0f;
-        ws.first_hi = lane + 32 < T::kNumKBlocks ? __ldg(first + lane + 32) : 0.0f;
+        load_row(first, ws.first_lo, ws.first_hi);
         if constexpr (T::kScaleMode == ScaleMode::kL1GateUp) {
-            const float* second = first + (T::kNumNBlocks / 2) * T::kNumKBlocks;
-            ws.second_lo = lane < T::kNumKBlocks ? __ldg(second + lane) : 0.0f;
-            ws.second_hi = lane + 32 < T::kNumKBlocks ? __ldg(second + lane + 32) : 0.0f;
+            load_row(first + (T::kNumNBlocks / 2) * T::kNumKBlocks, ws.second_lo, ws.second_hi);
         } else {
             ws.second_lo = ws.first_lo;
             ws.second_hi = ws.first_hi;
