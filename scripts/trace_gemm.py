@@ -27,16 +27,16 @@ def summarize(name: str, trace: torch.Tensor, first: int = 40, count: int = 200)
     print(f"{name}: K blocks {first}..{first + count} of CTA 0 (SM clocks)")
     for wg in range(t.shape[0]):
         e = t[wg]
-        cycle = (e[1:, 1] - e[:-1, 1]).median().item()  # issue to issue (ready is marked for block 0 only)
-        parts = {"WGMMA (issue->done)": (e[:, 2] - e[:, 1]),
-                 "release+promote (done->promoted)": (e[:, 3] - e[:, 2]),
-                 "turn and loop (promoted->next issue)": (e[1:, 1] - e[:-1, 3])}
+        cycle = (e[1:, 1] - e[:-1, 1]).median().item()  # issue to issue
+        parts = {"stage wait + SF reads (ready->issue)": (e[:, 1] - e[:, 0]),
+                 "WGMMA + previous promotion (issue->done)": (e[:, 2] - e[:, 1]),
+                 "release and loop (done->next ready)": (e[1:, 0] - e[:-1, 2])}
         print(f"  wg{wg}: median cycle per K block {cycle:.0f}; " +
               "; ".join(f"{k} {v.median().item():.0f}" for k, v in parts.items()))
-    base = t[0, 0, 1].item()
-    print("  first 6 blocks, (issue, done, promoted) - wg0's first issue:")
+    base = t[0, 0, 0].item()
+    print("  first 6 blocks, (ready, issue, done) - wg0's first ready:")
     for i in range(6):
-        print("   " + "   ".join(f"wg{wg} " + " ".join(f"{t[wg, i, j].item() - base:6.0f}" for j in range(1, 4))
+        print("   " + "   ".join(f"wg{wg} " + " ".join(f"{t[wg, i, j].item() - base:6.0f}" for j in range(3))
                                 for wg in range(t.shape[0])))
 
 
@@ -56,7 +56,8 @@ def main() -> None:
         for config in configs(index, args.knobs):
             problem = gemm.make_problem(config, [case.rows] * case.num_groups, small_int=False)
             d = torch.empty(problem.num_pool_rows, case.n, dtype=torch.bfloat16, device="cuda")
-            trace = torch.zeros(2, gemm.KBLOCK_TRACE_LEN, 4, dtype=torch.int64, device="cuda")
+            trace = torch.zeros(2, gemm.KBLOCK_TRACE_LEN, gemm.KBLOCK_TRACE_EVENTS, dtype=torch.int64,
+                                device="cuda")
             for _ in range(3):  # warm: the last run's trace is read
                 gemm.run_problem(problem, d, trace=trace)
             torch.cuda.synchronize()

@@ -57,19 +57,20 @@ def test_kernel_for_compiles_once_per_config() -> None:
     assert calls == [(1, 2), (3, 4)]
 
 
-def test_stage_wait_in_flight() -> None:
+def test_promotion_in_flight() -> None:
     overlapped = """
-        /*0100*/ QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24, gsb0 ;
-        /*0110*/ SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR6+0x30c00], R11 ;
-        /*0120*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0100*/ QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24 ;
+        /*0110*/ FFMA R88, R152, R3, R88 ;
+        /*0120*/ QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR12], R24, gsb0 ;
+        /*0130*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
 """
     serial = """
         /*0100*/ QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24, gsb0 ;
         /*0110*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
-        /*0120*/ SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR6+0x30c00], R11 ;
+        /*0120*/ FFMA R88, R24, R3, R88 ;
 """
-    assert checks.stage_wait_in_flight(overlapped)
-    assert not checks.stage_wait_in_flight(serial)
+    assert checks.promotion_in_flight(overlapped)
+    assert not checks.promotion_in_flight(serial)
 
 
 def test_include_closure_and_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

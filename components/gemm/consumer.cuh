@@ -3,6 +3,8 @@
 // acc += partial * sfa[row] * sfb (DESIGN section 4: promotion per block).
 #pragma once
 
+#include <type_traits>
+
 #include "common/wgmma.cuh"
 #include "gemm/kblock_trace.cuh"
 #include "gemm/pipeline.cuh"
@@ -74,14 +76,23 @@ MEGAMOE_DEVICE void issue_k_steps(uint64_t desc_a, uint64_t desc_b, float (&d)[W
                    k != kFirst);
 }
 
-// acc[4 j + 0, 1] += d * scale(row r, chunk j), acc[4 j + 2, 3] += d * scale(row r + 8, chunk j), where the
-// scale of an even chunk is `*_even` (L1: gate columns) and of an odd chunk `*_odd` (L1: up columns).
-MEGAMOE_DEVICE void promote(float (&acc)[WGMMA::kNumAccum], const float (&d)[WGMMA::kNumAccum], float row0_even,
-                            float row0_odd, float row8_even, float row8_odd) {
+// The promotion scales of one WGMMA group for this thread's rows r and r + 8: sfa[row] * sfb of even 8-column
+// chunks (L1: gate columns) and odd chunks (L1: up columns).
+struct PromoteScales {
+    float row0_even, row0_odd, row8_even, row8_odd;
+
+    MEGAMOE_DEVICE static PromoteScales of(float sfa0, float sfa8, float sfb_even, float sfb_odd) {
+        return {sfa0 * sfb_even, sfa0 * sfb_odd, sfa8 * sfb_even, sfa8 * sfb_odd};
+    }
+};
+
+// acc[4 j + 0, 1] += d * scale(row r, chunk j), acc[4 j + 2, 3] += d * scale(row r + 8, chunk j).
+MEGAMOE_DEVICE void promote(float (&acc)[WGMMA::kNumAccum], const float (&d)[WGMMA::kNumAccum],
+                            const PromoteScales& s) {
     #pragma unroll
     for (uint32_t j = 0; j < WGMMA::N / 8; ++ j) {
-        const float s0 = j % 2 == 0 ? row0_even : row0_odd;
-        const float s8 = j % 2 == 0 ? row8_even : row8_odd;
+        const float s0 = j % 2 == 0 ? s.row0_even : s.row0_odd;
+        const float s8 = j % 2 == 0 ? s.row8_even : s.row8_odd;
         acc[4 * j + 0] = fmaf(d[4 * j + 0], s0, acc[4 * j + 0]);
         acc[4 * j + 1] = fmaf(d[4 * j + 1], s0, acc[4 * j + 1]);
         acc[4 * j + 2] = fmaf(d[4 * j + 2], s8, acc[4 * j + 2]);
@@ -89,145 +100,137 @@ MEGAMOE_DEVICE void promote(float (&acc)[WGMMA::kNumAccum], const float (&d)[WGM
     }
 }
 
-// What one K block's WGMMAs and promotion read besides the accumulators: the stage's descriptors, the
-// activation SFs of this thread's two rows (per 64 K in L2 mode: lo, hi) and the weight SFs.
-struct BlockOperands {
-    uint64_t desc_a, desc_b;
-    float sfa0_lo, sfa8_lo, sfa0_hi, sfa8_hi;
-    float sfb_even, sfb_odd;
-};
-
-// Read the operands of K block `k_block_idx` from the stage at `state` (its full barrier already waited for).
+// Wait for and release the K blocks of one tile without any math (kFeedOnly profiling: the producers' rate).
 template <typename T>
-MEGAMOE_DEVICE BlockOperands read_operands(const GemmSmem<T>& smem, const PipelineState<T::kNumStages>& state,
-                                           const WeightScales& weight_scales, uint32_t k_block_idx,
-                                           uint32_t a_offset, uint32_t sf_row0, uint32_t sf_row8) {
-    constexpr uint32_t kHiOffset = T::kScaleMode == ScaleMode::kL2Per64 ? T::BLOCK_M : 0;
-    const float* sfa = smem.sfa(state.stage);
-    BlockOperands ops;
-    ops.desc_a = ptx::make_smem_desc_k_major_sw128_at(smem.a_addr(state.stage) + a_offset);
-    ops.desc_b = ptx::make_smem_desc_k_major_sw128_at(smem.b_addr(state.stage));
-    ops.sfa0_lo = sfa[sf_row0];
-    ops.sfa8_lo = sfa[sf_row8];
-    ops.sfa0_hi = sfa[kHiOffset + sf_row0];
-    ops.sfa8_hi = sfa[kHiOffset + sf_row8];
-    ops.sfb_even = weight_scales.first_at(k_block_idx);
-    ops.sfb_odd = T::kScaleMode == ScaleMode::kL1GateUp ? weight_scales.second_at(k_block_idx) : ops.sfb_even;
-    return ops;
+MEGAMOE_DEVICE void drain_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
+                               uint32_t lane, const DeviceEnv& env) {
+    for (uint32_t k_block_idx = 0; k_block_idx < T::kNumKBlocks; ++ k_block_idx) {
+        pipeline.consumer_wait(env, state);
+        pipeline.consumer_release(state, lane);
+        state.advance();
+    }
 }
 
-// One K block: issue its WGMMAs, and while they run wait for the next stage and read its operands
-// (kPrefetch: not for the tile's last block, whose successor belongs to a tile that may not exist), then promote.
-// NOTES: L2 mode computes each 128-K block as its two per-64 SF halves into two partials, committed as two
-// WGMMA groups, to promote the first half while the tensor cores still run the second (wait_group 1); ptxas
-// however sinks most of those FFMAs below wait_group 0, which has no register dependency on them (notes/gemm.md,
-// session 8). The same split in L1 mode (both halves with the block's scale) measured slower on the H200 (943 vs
-// 991 TFLOP/s at 32 x 1536 x 4096 x 4096: twice the promotion FMAs), so L1 keeps one group per block.
-// Each warp releases the stage after its wait_group 0 (its reads of the stage are complete); the empty barrier
-// counts every math warp. Between the first WGMMA and the last wait only branch-free code may run: a C++ branch
-// or loop while WGMMA is in flight makes ptxas serialize the pipeline (C7518). Hence the next stage's wait is
-// one asm block (ptx::mbarrier_wait_inline_at) whose timeout is reported after the WGMMA wait.
-template <typename T, bool kPrefetch, bool kTrace>
-MEGAMOE_DEVICE void consume_k_block(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
-                                    const GemmSmem<T>& smem, const WeightScales& weight_scales,
-                                    uint32_t k_block_idx, uint32_t a_offset, uint32_t sf_row0, uint32_t sf_row8,
-                                    uint32_t lane, BlockOperands& ops, float (&acc)[WGMMA::kNumAccum],
-                                    float (&d_lo)[WGMMA::kNumAccum], const DeviceEnv& env,
-                                    KBlockTrace<kTrace>* trace) {
-    if constexpr (kTrace)
-        trace->mark(KBlockEvent::kIssue);
-    const BlockOperands cur = ops;
-    PipelineState<T::kNumStages> next = state;
-    next.advance();
-    uint64_t waited_ns = 0;
-    if constexpr (T::kScaleMode == ScaleMode::kL1GateUp) {
-        // One group over the whole block, one promotion
-        ptx::fence_operands(d_lo);
-        ptx::wgmma_fence();
-        issue_k_steps<T, 0, T::kNumKSteps>(cur.desc_a, cur.desc_b, d_lo);
-        ptx::wgmma_commit_group();
-        if constexpr (kPrefetch) {
-            waited_ns = pipeline.consumer_wait_inline(env, next);
-            ops = read_operands<T>(smem, next, weight_scales, k_block_idx + 1, a_offset, sf_row0, sf_row8);
-        }
-        ptx::wgmma_wait_group<0>();
-        ptx::fence_operands(d_lo);
-        if constexpr (kTrace)
-            trace->mark(KBlockEvent::kDone);
-        pipeline.consumer_release(state, lane);
-        promote(acc, d_lo, cur.sfa0_lo * cur.sfb_even, cur.sfa0_lo * cur.sfb_odd, cur.sfa8_lo * cur.sfb_even,
-                cur.sfa8_lo * cur.sfb_odd);
-    } else {
-        // Two groups, one per 64-K SF half; the first half's promotion may overlap the second half (see NOTES)
-        float d_hi[WGMMA::kNumAccum];
-        ptx::fence_operands(d_lo);
-        ptx::fence_operands(d_hi);
-        ptx::wgmma_fence();
-        issue_k_steps<T, 0, T::kNumKSteps / 2>(cur.desc_a, cur.desc_b, d_lo);
-        ptx::wgmma_commit_group();
-        issue_k_steps<T, T::kNumKSteps / 2, T::kNumKSteps>(cur.desc_a, cur.desc_b, d_hi);
-        ptx::wgmma_commit_group();
-        if constexpr (kPrefetch) {
-            waited_ns = pipeline.consumer_wait_inline(env, next);
-            ops = read_operands<T>(smem, next, weight_scales, k_block_idx + 1, a_offset, sf_row0, sf_row8);
-        }
-        ptx::wgmma_wait_group<1>();
-        ptx::fence_operands(d_lo);
-        promote(acc, d_lo, cur.sfa0_lo * cur.sfb_even, cur.sfa0_lo * cur.sfb_odd, cur.sfa8_lo * cur.sfb_even,
-                cur.sfa8_lo * cur.sfb_odd);
-        ptx::wgmma_wait_group<0>();
-        ptx::fence_operands(d_hi);
-        if constexpr (kTrace)
-            trace->mark(KBlockEvent::kDone);
-        pipeline.consumer_release(state, lane);
-        promote(acc, d_hi, cur.sfa0_hi * cur.sfb_even, cur.sfa0_hi * cur.sfb_odd, cur.sfa8_hi * cur.sfb_even,
-                cur.sfa8_hi * cur.sfb_odd);
-    }
-    if (waited_ns != 0)
-        pipeline.report_full_timeout(env, next, waited_ns);
-    if constexpr (kTrace) {
-        trace->mark(KBlockEvent::kPromoted);
-        trace->next();
-    }
-    state = next;
-}
-
-// Accumulate one tile into `acc` (which the caller zeroes): all K blocks, promoted per block.
-// kFeedOnly (profiling): wait for each stage and release it without any math, to measure what the producers
-// alone sustain.
+// Accumulate one tile into `acc` (which the caller zeroes), promoted per WGMMA group (DESIGN section 4), with two
+// partial accumulators so that each group runs while the previous group's partial is promoted: the tensor cores do
+// not wait for this warpgroup's FFMAs (the other warpgroup's groups fill what remains). L1: block kb runs into one
+// partial while block kb - 1's completed partial is promoted; L2: the block's first 64-K half runs while the
+// previous block's second half is promoted, its second half while its first half is promoted. Under the H200's
+// power cap this sustains ~4% more than promoting after each wait (scripts/power_gemm.py, notes/gemm.md).
+// NOTES: every group is waited for (wait_group 0) before the next is issued, so no WGMMA is in flight across a
+// branch or the loop's back edge: ptxas serializes the pipeline (C7514) when a loop carries a group in flight into
+// code that reads the other partial. Promotions only read partials whose group completed, and run while a later
+// group is in flight: a register anti-dependency (the next WGMMA into the same partial) keeps ptxas from sinking
+// them below the next wait. Stage waits run with nothing in flight (plain bounded waits).
 template <typename T, bool kTrace = false, bool kFeedOnly = false>
 MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
-                                 const GemmSmem<T>& smem, const WeightScales& weight_scales,
-                                 uint32_t math_wg_idx, uint32_t thread_in_wg, float (&acc)[WGMMA::kNumAccum],
-                                 const DeviceEnv& env, KBlockTrace<kTrace>* trace = nullptr) {
+                                 const GemmSmem<T>& smem, const WeightScales& weight_scales, uint32_t math_wg_idx,
+                                 uint32_t thread_in_wg, float (&acc)[WGMMA::kNumAccum], const DeviceEnv& env,
+                                 KBlockTrace<kTrace>* trace = nullptr) {
+    constexpr bool kL1 = T::kScaleMode == ScaleMode::kL1GateUp;
+    constexpr uint32_t kHiOffset = kL1 ? 0 : T::BLOCK_M;
+    // (std::integral_constant arguments: C++17 lambdas take no template parameter list)
+    constexpr std::integral_constant<uint32_t, 0> kStepsBegin{};
+    constexpr std::integral_constant<uint32_t, T::kNumKSteps / 2> kStepsMid{};
+    constexpr std::integral_constant<uint32_t, T::kNumKSteps> kStepsEnd{};
     const Fragment frag = Fragment::of(math_wg_idx, thread_in_wg);
     const uint32_t lane = thread_in_wg % 32;
     const uint32_t a_offset = math_wg_idx * T::WGMMA_M * T::BLOCK_K;
     // BLOCK_M = 32: warps 2, 3 hold WGMMA rows 32..63, which are discarded; `% BLOCK_M` keeps their SF reads
     // inside the stage without a branch
     const uint32_t sf_row0 = frag.row % T::BLOCK_M, sf_row8 = (frag.row + 8) % T::BLOCK_M;
-
     if constexpr (kFeedOnly) {
-        for (uint32_t k_block_idx = 0; k_block_idx < T::kNumKBlocks; ++ k_block_idx) {
-            pipeline.consumer_wait(env, state);
-            pipeline.consumer_release(state, lane);
-            state.advance();
-        }
+        drain_tile<T>(pipeline, state, lane, env);
         return;
     }
 
-    // The first block's stage is waited for here; every later one while its predecessor's WGMMAs run
-    pipeline.consumer_wait(env, state);
-    if constexpr (kTrace)
-        trace->mark(KBlockEvent::kStageReady);
-    BlockOperands ops = read_operands<T>(smem, state, weight_scales, 0, a_offset, sf_row0, sf_row8);
-    float d_lo[WGMMA::kNumAccum];
-    #pragma unroll 1
-    for (uint32_t k_block_idx = 0; k_block_idx + 1 < T::kNumKBlocks; ++ k_block_idx)
-        consume_k_block<T, true>(pipeline, state, smem, weight_scales, k_block_idx, a_offset, sf_row0, sf_row8,
-                                 lane, ops, acc, d_lo, env, trace);
-    consume_k_block<T, false>(pipeline, state, smem, weight_scales, T::kNumKBlocks - 1, a_offset, sf_row0, sf_row8,
-                              lane, ops, acc, d_lo, env, trace);
+    // Wait for block kb's stage (nothing in flight) and read its promotion scales: L1 one set, L2 per 64-K half
+    PromoteScales lo, hi;
+    const auto wait_stage = [&](uint32_t kb) {
+        pipeline.consumer_wait(env, state);
+        if constexpr (kTrace)
+            trace->mark(KBlockEvent::kStageReady);
+        const float* sfa = smem.sfa(state.stage);
+        const float sfb_even = weight_scales.first_at(kb);
+        const float sfb_odd = kL1 ? weight_scales.second_at(kb) : sfb_even;
+        lo = PromoteScales::of(sfa[sf_row0], sfa[sf_row8], sfb_even, sfb_odd);
+        hi = PromoteScales::of(sfa[kHiOffset + sf_row0], sfa[kHiOffset + sf_row8], sfb_even, sfb_odd);
+        if constexpr (kTrace)
+            trace->mark(KBlockEvent::kIssue);
+    };
+    // Issue K steps [first, last) of the stage into d as one group
+    const auto issue = [&](auto first, auto last, float (&d)[WGMMA::kNumAccum]) {
+        const uint64_t desc_a = ptx::make_smem_desc_k_major_sw128_at(smem.a_addr(state.stage) + a_offset);
+        const uint64_t desc_b = ptx::make_smem_desc_k_major_sw128_at(smem.b_addr(state.stage));
+        ptx::fence_operands(d);
+        ptx::wgmma_fence();
+        issue_k_steps<T, decltype(first)::value, decltype(last)::value>(desc_a, desc_b, d);
+        ptx::wgmma_commit_group();
+    };
+    const auto complete = [&](float (&d)[WGMMA::kNumAccum]) {
+        ptx::wgmma_wait_group<0>();
+        ptx::fence_operands(d);
+    };
+    // The stage's last group completed: release it, trace the block
+    const auto release = [&]() {
+        pipeline.consumer_release(state, lane);
+        if constexpr (kTrace) {
+            trace->mark(KBlockEvent::kDone);
+            trace->next();
+        }
+        state.advance();
+    };
+
+    float d0[WGMMA::kNumAccum], d1[WGMMA::kNumAccum];
+    if constexpr (kL1) {
+        // Block kb into d_cur while block kb - 1's partial (d_prev, scales prev) is promoted
+        PromoteScales prev;
+        const auto step = [&](uint32_t kb, float (&d_cur)[WGMMA::kNumAccum], float (&d_prev)[WGMMA::kNumAccum]) {
+            wait_stage(kb);
+            issue(kStepsBegin, kStepsEnd, d_cur);
+            promote(acc, d_prev, prev);
+            prev = lo;
+            complete(d_cur);
+            release();
+        };
+        wait_stage(0);
+        issue(kStepsBegin, kStepsEnd, d0);
+        prev = lo;
+        complete(d0);
+        release();
+        #pragma unroll 1
+        for (uint32_t kb = 1; kb + 1 < T::kNumKBlocks; kb += 2) {
+            step(kb, d1, d0);
+            step(kb + 1, d0, d1);
+        }
+        if constexpr ((T::kNumKBlocks - 1) % 2 == 1) {
+            step(T::kNumKBlocks - 1, d1, d0);
+            promote(acc, d1, prev);
+        } else {
+            promote(acc, d0, prev);
+        }
+    } else {
+        // d1 holds the previous block's completed second half (scales prev_hi)
+        // (has_prev: std::integral_constant, false for block 0 only; a runtime branch here would be in flight)
+        PromoteScales prev_hi;
+        const auto block = [&](uint32_t kb, auto has_prev) {
+            wait_stage(kb);
+            issue(kStepsBegin, kStepsMid, d0);
+            if constexpr (decltype(has_prev)::value)
+                promote(acc, d1, prev_hi);
+            complete(d0);
+            issue(kStepsMid, kStepsEnd, d1);
+            promote(acc, d0, lo);
+            prev_hi = hi;
+            complete(d1);
+            release();
+        };
+        block(0, std::false_type{});
+        #pragma unroll 1
+        for (uint32_t kb = 1; kb < T::kNumKBlocks; ++ kb)
+            block(kb, std::true_type{});
+        promote(acc, d1, prev_hi);
+    }
 }
 
 }  // namespace megamoe::gemm

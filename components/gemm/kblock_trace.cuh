@@ -6,14 +6,15 @@
 
 namespace megamoe::gemm {
 
-// Events of a K block, in order
-enum class KBlockEvent : uint32_t { kStageReady = 0, kIssue = 1, kDone = 2, kPromoted = 3 };
-constexpr uint32_t kNumKBlockEvents = 4;
+// Events of a K block, in order: its stage is ready, its first WGMMA is issued, its last WGMMA group completed
+// (the block's promotion then runs while the next block's WGMMAs do: gemm/consumer.cuh)
+enum class KBlockEvent : uint32_t { kStageReady = 0, kIssue = 1, kDone = 2 };
+constexpr uint32_t kNumKBlockEvents = 3;
 constexpr uint32_t kMaxTracedKBlocks = 512;
 
 // buffer: [math warpgroup][kMaxTracedKBlocks][kNumKBlockEvents] u64 clock64() readings; set for one thread per
 // math warpgroup of CTA 0 (nullptr elsewhere). NOTES: no mark sits between a WGMMA commit and its wait (its
-// branch would make ptxas serialize the pipeline): kIssue is taken just before the WGMMA fence.
+// branch would make ptxas serialize the pipeline).
 template <bool kEnabled>
 struct KBlockTrace {
     unsigned long long* buffer;

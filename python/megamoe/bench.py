@@ -62,7 +62,13 @@ def graphed(fn: Callable[[], None], capture_error_mode: str = "global") -> Calla
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
         fn()
-    return graph.replay
+
+    # The replay holds fn: the tensors only its closure references (outputs, scales allocated before the capture)
+    # must live as long as the graph that reads and writes them; dropped, the allocator hands their memory on.
+    def replay(fn: Callable[[], None] = fn) -> None:
+        graph.replay()
+
+    return replay
 
 
 def time_stages_us(stages: Sequence[Callable[[Any], Any]], *, warmup: int = 5, iters: int = 30) -> list[float]:

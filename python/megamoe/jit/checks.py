@@ -15,9 +15,9 @@ _SERIALIZATION_NOTES = re.compile(r"C75(0[89]|1[0-9]|2[0-9])")
 class CheckOptions:
     expect_qgmma: bool = False
     max_registers: int | None = None
-    # GEMM consumers: the next stage's full-barrier wait sits between a WGMMA group's last QGMMA and its
-    # WARPGROUP.DEPBAR, i.e. it runs while the group is in flight (gemm/consumer.cuh: consume_k_block)
-    expect_stage_wait_in_flight: bool = False
+    # GEMM consumers: promotion FFMAs sit between a WGMMA group's QGMMAs and its WARPGROUP.DEPBAR, i.e. they run
+    # while the group is in flight (gemm/consumer.cuh: consume_tile)
+    expect_promotion_in_flight: bool = False
 
 
 def sass_functions(sass: str) -> dict[str, str]:
@@ -70,21 +70,20 @@ def violations(result: CompileResult, options: CheckOptions = CheckOptions()) ->
             out.append(f"{entry.name}: local memory access (LDL/STL) in SASS")
         if options.expect_qgmma and "QGMMA" not in hot:
             out.append(f"{entry.name}: no QGMMA in SASS (FP8 WGMMA missing)")
-        if options.expect_stage_wait_in_flight and not stage_wait_in_flight(hot):
-            out.append(f"{entry.name}: no mbarrier wait between a WGMMA group's commit and its wait (the next "
-                       f"stage is not awaited while WGMMA runs)")
+        if options.expect_promotion_in_flight and not promotion_in_flight(hot):
+            out.append(f"{entry.name}: no FFMA between a WGMMA group's QGMMAs and its wait (promotion does not "
+                       f"overlap the tensor cores)")
     return out
 
 
-def stage_wait_in_flight(sass: str) -> bool:
-    """Some QGMMA that closes a group (gsb0) is followed by an mbarrier try-wait before the next
-    WARPGROUP.DEPBAR."""
+def promotion_in_flight(sass: str) -> bool:
+    """Some FFMA runs after a QGMMA and before the next WARPGROUP.DEPBAR."""
     in_flight = False
     for line in sass.splitlines():
-        if "QGMMA" in line and "gsb0" in line:
+        if "QGMMA" in line:
             in_flight = True
         elif "WARPGROUP.DEPBAR" in line:
             in_flight = False
-        elif in_flight and "SYNCS.PHASECHK" in line and "TRYWAIT" in line:
+        elif in_flight and "FFMA" in line:
             return True
     return False

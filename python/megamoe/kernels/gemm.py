@@ -15,6 +15,7 @@ from megamoe.jit.compiler import CompileResult
 
 BLOCK_N = BLOCK_K = 128
 KBLOCK_TRACE_LEN = 512  # gemm/kblock_trace.cuh: kMaxTracedKBlocks
+KBLOCK_TRACE_EVENTS = 3  # gemm/kblock_trace.cuh: kNumKBlockEvents
 Mode = Literal["l1", "l2"]
 
 
@@ -111,8 +112,8 @@ def run(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor
     a: e4m3 [P, K] pool (expert e's rows from pool_offsets(counts, block_m)[e]); a_sf: f32 MN-major SF pool
     [K/128, P] (l1) or [K/64, P] (l2); b: e4m3 [E, N, K]; b_sf: f32 [E, N/128, K/128];
     num_tokens_per_expert: int32 [E] on the device; d: bf16 [P, N].
-    trace (config.trace variants): int64 [2, KBLOCK_TRACE_LEN, 4], clock64 readings of CTA 0's K blocks per math
-    warpgroup (stage ready, issue, done, promoted; gemm/kblock_trace.cuh).
+    trace (config.trace variants): int64 [2, KBLOCK_TRACE_LEN, KBLOCK_TRACE_EVENTS], clock64 readings of CTA 0's
+    K blocks per math warpgroup (stage ready, issue, last group done; gemm/kblock_trace.cuh).
     """
     from megamoe.jit import runtime
     from megamoe.jit.diagnostics import timeout_records
@@ -127,7 +128,7 @@ def run(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor
         "d": (d, torch.bfloat16, (num_pool_rows, config.n)),
     }
     if trace is not None:
-        expected["trace"] = (trace, torch.int64, (2, KBLOCK_TRACE_LEN, 4))
+        expected["trace"] = (trace, torch.int64, (2, KBLOCK_TRACE_LEN, KBLOCK_TRACE_EVENTS))
     for name, (t, dtype, shape) in expected.items():
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device != a.device:
             raise ValueError(f"{name} must be a contiguous {dtype} {shape} tensor on {a.device}, got {t.dtype} "
