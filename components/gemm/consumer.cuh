@@ -181,37 +181,36 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, Pipeli
         state.advance();
     };
 
+    // (has_prev: std::integral_constant, false for block 0 only, which has no partial to promote; a runtime
+    // branch there would run while a group is in flight)
     float d0[WGMMA::kNumAccum], d1[WGMMA::kNumAccum];
     if constexpr (kL1) {
         // Block kb into d_cur while block kb - 1's partial (d_prev, scales prev) is promoted
         PromoteScales prev;
-        const auto step = [&](uint32_t kb, float (&d_cur)[WGMMA::kNumAccum], float (&d_prev)[WGMMA::kNumAccum]) {
+        const auto step = [&](uint32_t kb, float (&d_cur)[WGMMA::kNumAccum], float (&d_prev)[WGMMA::kNumAccum],
+                              auto has_prev) {
             wait_stage(kb);
             issue(kStepsBegin, kStepsEnd, d_cur);
-            promote(acc, d_prev, prev);
+            if constexpr (decltype(has_prev)::value)
+                promote(acc, d_prev, prev);
             prev = lo;
             complete(d_cur);
             release();
         };
-        wait_stage(0);
-        issue(kStepsBegin, kStepsEnd, d0);
-        prev = lo;
-        complete(d0);
-        release();
+        step(0, d0, d1, std::false_type{});
         #pragma unroll 1
         for (uint32_t kb = 1; kb + 1 < T::kNumKBlocks; kb += 2) {
-            step(kb, d1, d0);
-            step(kb + 1, d0, d1);
+            step(kb, d1, d0, std::true_type{});
+            step(kb + 1, d0, d1, std::true_type{});
         }
         if constexpr ((T::kNumKBlocks - 1) % 2 == 1) {
-            step(T::kNumKBlocks - 1, d1, d0);
+            step(T::kNumKBlocks - 1, d1, d0, std::true_type{});
             promote(acc, d1, prev);
         } else {
             promote(acc, d0, prev);
         }
     } else {
         // d1 holds the previous block's completed second half (scales prev_hi)
-        // (has_prev: std::integral_constant, false for block 0 only; a runtime branch here would be in flight)
         PromoteScales prev_hi;
         const auto block = [&](uint32_t kb, auto has_prev) {
             wait_stage(kb);
