@@ -38,8 +38,8 @@ def _cublas_dense_fp8(problem: gemm.GemmProblem):
     return run
 
 
-def _sustain(fn, seconds: float) -> tuple[float, float, float, int]:
-    """Run fn back to back for `seconds` (after 1 s of warm-up); returns (wall start, wall end, us per call, calls)."""
+def _sustain(fn, seconds: float) -> tuple[float, float, float]:
+    """Run fn back to back for `seconds` (after 1 s of warm-up); returns (wall start, wall end, us per call)."""
     start = time.time()
     while time.time() - start < 1.0:
         fn()
@@ -54,7 +54,7 @@ def _sustain(fn, seconds: float) -> tuple[float, float, float, int]:
         calls += 10
         end.record()
         end.synchronize()
-    return t0, time.time(), begin.elapsed_time(end) * 1e3 / calls, calls
+    return t0, time.time(), begin.elapsed_time(end) * 1e3 / calls
 
 
 def main() -> None:
@@ -90,9 +90,7 @@ def main() -> None:
         runners["cuBLAS dense FP8 loop"] = bench.graphed(_cublas_dense_fp8(problem))
         for name, fn in runners.items():
             console.log(f"{case.name}: {name}")
-            fn()
-            torch.cuda.synchronize()
-            t0, t1, us, _ = _sustain(fn, args.seconds)
+            t0, t1, us = _sustain(fn, args.seconds)
             windows.append((case.name, name, t0, t1, us, flops))
             time.sleep(1.0)  # cool-down gap between windows
         del problem, runners
