@@ -73,6 +73,21 @@ def test_promotion_in_flight() -> None:
     assert not checks.promotion_in_flight(serial)
 
 
+def test_stage_wait_in_flight() -> None:
+    overlapped = """
+        /*0100*/ QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24, gsb0 ;
+        /*0110*/ SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR34+0x31800], R6 ;
+        /*0120*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+"""
+    serial = """
+        /*0100*/ QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24, gsb0 ;
+        /*0110*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0120*/ SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR34+0x31800], R6 ;
+"""
+    assert checks.stage_wait_in_flight(overlapped)
+    assert not checks.stage_wait_in_flight(serial)
+
+
 def test_include_closure_and_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "a.cuh").write_text('#pragma once\n#include "b.cuh"\n')
     (tmp_path / "b.cuh").write_text("#pragma once\nint b;\n")

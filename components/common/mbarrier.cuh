@@ -50,4 +50,34 @@ MEGAMOE_DEVICE void mbarrier_wait(const DeviceEnv& env, const char* tag, uint64_
         [&]() { return make_longlong3(parity, static_cast<int64_t>(*bar), 0); });
 }
 
+// Wait for the phase with the given parity entirely inside one asm block, polling %globaltimer there: no C++
+// loop or branch, so it may run while a WGMMA group is in flight (a C++ spin loop with its trap path there makes
+// ptxas serialize the pipeline, C7518). Returns 0 once the phase completed, or the ns waited once that exceeded
+// timeout_ns: the caller reports the timeout (megamoe_report_timeout) after its WGMMA wait.
+MEGAMOE_DEVICE uint64_t mbarrier_wait_inline_at(uint32_t bar_addr, uint32_t parity, uint64_t timeout_ns) {
+    uint64_t waited;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        ".reg .u64 t0, t1;\n"
+        "mov.u64 %0, 0;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "@p bra MEGAMOE_INLINE_WAIT_DONE;\n"
+        "mov.u64 t0, %%globaltimer;\n"
+        "MEGAMOE_INLINE_WAIT_LOOP:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "@p bra MEGAMOE_INLINE_WAIT_DONE;\n"
+        "mov.u64 t1, %%globaltimer;\n"
+        "sub.u64 t1, t1, t0;\n"
+        "setp.le.u64 p, t1, %3;\n"
+        "@p bra MEGAMOE_INLINE_WAIT_LOOP;\n"
+        "mov.u64 %0, t1;\n"
+        "MEGAMOE_INLINE_WAIT_DONE:\n"
+        "}\n"
+        : "=l"(waited)
+        : "r"(bar_addr), "r"(parity), "l"(timeout_ns)
+        : "memory");
+    return waited;
+}
+
 }  // namespace megamoe::ptx

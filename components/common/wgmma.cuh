@@ -45,38 +45,43 @@ MEGAMOE_DEVICE void fence_operands(float (&regs)[kNumRegs]) {
         fence_operand(regs[i]);
 }
 
-// D(64x128, f32) (+)= A(64x32, e4m3, smem) * B(128x32, e4m3, smem)^T; `accumulate` false overwrites D.
+// The 64 accumulator operands of an m64n128 WGMMA: their placeholders and their (read-write) constraints
+#define MEGAMOE_WGMMA_N128_PLACEHOLDERS                      \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, "                      \
+    "%8, %9, %10, %11, %12, %13, %14, %15, "                 \
+    "%16, %17, %18, %19, %20, %21, %22, %23, "               \
+    "%24, %25, %26, %27, %28, %29, %30, %31, "               \
+    "%32, %33, %34, %35, %36, %37, %38, %39, "               \
+    "%40, %41, %42, %43, %44, %45, %46, %47, "               \
+    "%48, %49, %50, %51, %52, %53, %54, %55, "               \
+    "%56, %57, %58, %59, %60, %61, %62, %63}"
+#define MEGAMOE_WGMMA_N128_ACCUM \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+// D(64x128, f32) (+)= A(64x32, e4m3, smem) * B(128x32, e4m3, smem)^T; kAccumulate false overwrites D (scale-d an
+// immediate: no predicate register).
 // Fragment: thread t of the warpgroup (warp w = t / 32, lane l) holds rows 16 w + l / 4 and that + 8,
 // columns 8 j + 2 (l % 4) + {0, 1} for j in [0, 16): d[4 j + 0, 1] (row r), d[4 j + 2, 3] (row r + 8).
+// NOTES: D stays read-write ("+f") even when overwritten. Declared write-only ("=f"), the overwritten partial
+// would be dead between its promotion and its next group, but ptxas then re-places the accumulator blocks
+// across loop back edges and spills whole partials (556-584 B in the L2-mode consumer, session 11).
 struct WGMMA_M64N128K32_E4M3 {
     static constexpr uint32_t M = 64, N = 128, K = 32;
     static constexpr uint32_t kNumAccum = M * N / 128;
 
-    MEGAMOE_DEVICE static void mma(uint64_t desc_a, uint64_t desc_b, float (&d)[kNumAccum], bool accumulate) {
-        asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, "
-        "%8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, "
-        "%24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, "
-        "%40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, "
-        "%56, %57, %58, %59, %60, %61, %62, %63},\n"
-        " %64, %65, p, 1, 1;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
+    template <bool kAccumulate>
+    MEGAMOE_DEVICE static void mma(uint64_t desc_a, uint64_t desc_b, float (&d)[kNumAccum]) {
+        asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " MEGAMOE_WGMMA_N128_PLACEHOLDERS
+                     ", %64, %65, %66, 1, 1;\n"
+                     : MEGAMOE_WGMMA_N128_ACCUM
+                     : "l"(desc_a), "l"(desc_b), "n"(kAccumulate ? 1 : 0));
     }
 };
 

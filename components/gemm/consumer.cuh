@@ -71,9 +71,14 @@ struct WeightScales {
 template <typename T, uint32_t kFirst, uint32_t kLast>
 MEGAMOE_DEVICE void issue_k_steps(uint64_t desc_a, uint64_t desc_b, float (&d)[WGMMA::kNumAccum]) {
     #pragma unroll
-    for (uint32_t k = kFirst; k < kLast; ++ k)
-        WGMMA::mma(ptx::advance_smem_desc(desc_a, k * T::WGMMA_K), ptx::advance_smem_desc(desc_b, k * T::WGMMA_K), d,
-                   k != kFirst);
+    for (uint32_t k = kFirst; k < kLast; ++ k) {
+        const uint64_t a = ptx::advance_smem_desc(desc_a, k * T::WGMMA_K);
+        const uint64_t b = ptx::advance_smem_desc(desc_b, k * T::WGMMA_K);
+        if (k == kFirst)
+            WGMMA::mma<false>(a, b, d);
+        else
+            WGMMA::mma<true>(a, b, d);
+    }
 }
 
 // The promotion scales of one WGMMA group for this thread's rows r and r + 8: sfa[row] * sfb of even 8-column
@@ -117,22 +122,32 @@ MEGAMOE_DEVICE void drain_tile(const Pipeline<T::kNumStages>& pipeline, Pipeline
 // partial while block kb - 1's completed partial is promoted; L2: the block's first 64-K half runs while the
 // previous block's second half is promoted, its second half while its first half is promoted. Under the H200's
 // power cap this sustains ~4% more than promoting after each wait (scripts/power_gemm.py, notes/gemm.md).
+// kPrefetch: while a block's last group runs (after the promotion), wait for the next block's stage and read its
+// scales, so that the next group is issued right after the wait: the stage wait, the SF loads and shuffles leave
+// the chain between two groups of a warpgroup (which the other warpgroup's group must cover: 128 tensor clocks
+// in L2 mode).
 // NOTES: every group is waited for (wait_group 0) before the next is issued, so no WGMMA is in flight across a
 // branch or the loop's back edge: ptxas serializes the pipeline (C7514) when a loop carries a group in flight into
 // code that reads the other partial. Promotions only read partials whose group completed, and run while a later
 // group is in flight: a register anti-dependency (the next WGMMA into the same partial) keeps ptxas from sinking
-// them below the next wait. Stage waits run with nothing in flight (plain bounded waits).
-template <typename T, bool kTrace = false, bool kFeedOnly = false>
+// them below the next wait. A stage wait in flight is one asm block (no C++ loop or trap path there: C7518), whose
+// timeout is reported after the group's wait; whether a next block exists is a compile-time fact of each call
+// (the first and last blocks are peeled), never a branch in flight. Blocking stage waits run with nothing in flight.
+template <typename T, bool kTrace = false, bool kFeedOnly = false, bool kPrefetch = true>
 MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
                                  const GemmSmem<T>& smem, const WeightScales& weight_scales, uint32_t math_wg_idx,
                                  uint32_t thread_in_wg, float (&acc)[WGMMA::kNumAccum], const DeviceEnv& env,
                                  KBlockTrace<kTrace>* trace = nullptr) {
     constexpr bool kL1 = T::kScaleMode == ScaleMode::kL1GateUp;
+    constexpr uint32_t kNumKBlocks = T::kNumKBlocks;
     constexpr uint32_t kHiOffset = kL1 ? 0 : T::BLOCK_M;
     // (std::integral_constant arguments: C++17 lambdas take no template parameter list)
     constexpr std::integral_constant<uint32_t, 0> kStepsBegin{};
     constexpr std::integral_constant<uint32_t, T::kNumKSteps / 2> kStepsMid{};
     constexpr std::integral_constant<uint32_t, T::kNumKSteps> kStepsEnd{};
+    constexpr std::true_type kYes{};
+    constexpr std::false_type kNo{};
+    constexpr std::integral_constant<bool, (kNumKBlocks > 1)> kFirstHasNext{};
     const Fragment frag = Fragment::of(math_wg_idx, thread_in_wg);
     const uint32_t lane = thread_in_wg % 32;
     const uint32_t a_offset = math_wg_idx * T::WGMMA_M * T::BLOCK_K;
@@ -144,25 +159,41 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, Pipeli
         return;
     }
 
-    // Wait for block kb's stage (nothing in flight) and read its promotion scales: L1 one set, L2 per 64-K half
+    // The promotion scales of block kb from the stage at `at`: L1 one set, L2 per 64-K half (branch-free)
     PromoteScales lo, hi;
-    const auto wait_stage = [&](uint32_t kb) {
-        pipeline.consumer_wait(env, state);
-        if constexpr (kTrace)
-            trace->mark(KBlockEvent::kStageReady);
-        const float* sfa = smem.sfa(state.stage);
+    const auto read_scales = [&](const PipelineState<T::kNumStages>& at, uint32_t kb) {
+        const float* sfa = smem.sfa(at.stage);
         const float sfb_even = weight_scales.first_at(kb);
         const float sfb_odd = kL1 ? weight_scales.second_at(kb) : sfb_even;
         lo = PromoteScales::of(sfa[sf_row0], sfa[sf_row8], sfb_even, sfb_odd);
         hi = PromoteScales::of(sfa[kHiOffset + sf_row0], sfa[kHiOffset + sf_row8], sfb_even, sfb_odd);
-        if constexpr (kTrace)
+    };
+    // Block kb's stage, unless the previous block prefetched it: wait with nothing in flight, read its scales
+    // (traced as ready when its wait returned, or, prefetched, when this block starts)
+    const auto acquire = [&](uint32_t kb, auto prefetched) {
+        if constexpr (not decltype(prefetched)::value) {
+            pipeline.consumer_wait(env, state);
+            read_scales(state, kb);
+        }
+        if constexpr (kTrace) {
+            trace->mark(KBlockEvent::kStageReady);
             trace->mark(KBlockEvent::kIssue);
+        }
+    };
+    // In flight: wait for block kb + 1's stage and read its scales (its timeout is reported by `release`)
+    uint64_t waited_ns = 0;
+    const auto prefetch = [&](uint32_t kb, auto has_next) {
+        if constexpr (kPrefetch and decltype(has_next)::value) {
+            PipelineState<T::kNumStages> next = state;
+            next.advance();
+            waited_ns = pipeline.consumer_wait_inline(env, next);
+            read_scales(next, kb + 1);
+        }
     };
     // Issue K steps [first, last) of the stage into d as one group
     const auto issue = [&](auto first, auto last, float (&d)[WGMMA::kNumAccum]) {
         const uint64_t desc_a = ptx::make_smem_desc_k_major_sw128_at(smem.a_addr(state.stage) + a_offset);
         const uint64_t desc_b = ptx::make_smem_desc_k_major_sw128_at(smem.b_addr(state.stage));
-        ptx::fence_operands(d);
         ptx::wgmma_fence();
         issue_k_steps<T, decltype(first)::value, decltype(last)::value>(desc_a, desc_b, d);
         ptx::wgmma_commit_group();
@@ -171,49 +202,63 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, Pipeli
         ptx::wgmma_wait_group<0>();
         ptx::fence_operands(d);
     };
-    // The stage's last group completed: release it, trace the block
-    const auto release = [&]() {
+    // The stage's last group completed: release it, trace the block, report a timed-out prefetch wait
+    const auto release = [&](auto has_next) {
         pipeline.consumer_release(state, lane);
         if constexpr (kTrace) {
             trace->mark(KBlockEvent::kDone);
             trace->next();
         }
         state.advance();
+        if constexpr (kPrefetch and decltype(has_next)::value)
+            pipeline.report_full_timeout(env, state, waited_ns);
+    };
+    // (has_prev: false for block 0 only, which has no partial to promote; has_next: false for the last block. Both
+    // std::integral_constant: a runtime branch there would run while a group is in flight)
+    const auto prefetched = [](auto has_prev) {
+        return std::integral_constant<bool, kPrefetch and decltype(has_prev)::value>{};
     };
 
-    // (has_prev: std::integral_constant, false for block 0 only, which has no partial to promote; a runtime
-    // branch there would run while a group is in flight)
     float d0[WGMMA::kNumAccum], d1[WGMMA::kNumAccum];
     if constexpr (kL1) {
         // Block kb into d_cur while block kb - 1's partial (d_prev, scales prev) is promoted
         PromoteScales prev;
         const auto step = [&](uint32_t kb, float (&d_cur)[WGMMA::kNumAccum], float (&d_prev)[WGMMA::kNumAccum],
-                              auto has_prev) {
-            wait_stage(kb);
+                              auto has_prev, auto has_next) {
+            acquire(kb, prefetched(has_prev));
             issue(kStepsBegin, kStepsEnd, d_cur);
             if constexpr (decltype(has_prev)::value)
                 promote(acc, d_prev, prev);
             prev = lo;
+            prefetch(kb, has_next);
             complete(d_cur);
-            release();
+            release(has_next);
         };
-        step(0, d0, d1, std::false_type{});
-        #pragma unroll 1
-        for (uint32_t kb = 1; kb + 1 < T::kNumKBlocks; kb += 2) {
-            step(kb, d1, d0, std::true_type{});
-            step(kb + 1, d0, d1, std::true_type{});
-        }
-        if constexpr ((T::kNumKBlocks - 1) % 2 == 1) {
-            step(T::kNumKBlocks - 1, d1, d0, std::true_type{});
-            promote(acc, d1, prev);
-        } else {
+        // Block b runs into d[b % 2]: block 0 peeled, then pairs, then the odd middle block if any, then the last
+        step(0, d0, d1, kNo, kFirstHasNext);
+        if constexpr (kNumKBlocks == 1) {
             promote(acc, d0, prev);
+        } else {
+            #pragma unroll 1
+            for (uint32_t kb = 1; kb + 2 < kNumKBlocks; kb += 2) {
+                step(kb, d1, d0, kYes, kYes);
+                step(kb + 1, d0, d1, kYes, kYes);
+            }
+            if constexpr (kNumKBlocks % 2 == 1) {
+                // Middle block kNumKBlocks - 2 is odd, the last one even
+                step(kNumKBlocks - 2, d1, d0, kYes, kYes);
+                step(kNumKBlocks - 1, d0, d1, kYes, kNo);
+                promote(acc, d0, prev);
+            } else {
+                step(kNumKBlocks - 1, d1, d0, kYes, kNo);
+                promote(acc, d1, prev);
+            }
         }
     } else {
         // d1 holds the previous block's completed second half (scales prev_hi)
         PromoteScales prev_hi;
-        const auto block = [&](uint32_t kb, auto has_prev) {
-            wait_stage(kb);
+        const auto block = [&](uint32_t kb, auto has_prev, auto has_next) {
+            acquire(kb, prefetched(has_prev));
             issue(kStepsBegin, kStepsMid, d0);
             if constexpr (decltype(has_prev)::value)
                 promote(acc, d1, prev_hi);
@@ -221,13 +266,21 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, Pipeli
             issue(kStepsMid, kStepsEnd, d1);
             promote(acc, d0, lo);
             prev_hi = hi;
+            prefetch(kb, has_next);
             complete(d1);
-            release();
+            release(has_next);
         };
-        block(0, std::false_type{});
-        #pragma unroll 1
-        for (uint32_t kb = 1; kb < T::kNumKBlocks; ++ kb)
-            block(kb, std::true_type{});
+        block(0, kNo, kFirstHasNext);
+        if constexpr (kNumKBlocks > 1) {
+            #pragma unroll 1
+            for (uint32_t kb = 1; kb + 2 < kNumKBlocks; kb += 2) {
+                block(kb, kYes, kYes);
+                block(kb + 1, kYes, kYes);
+            }
+            if constexpr (kNumKBlocks % 2 == 1)
+                block(kNumKBlocks - 2, kYes, kYes);
+            block(kNumKBlocks - 1, kYes, kNo);
+        }
         promote(acc, d1, prev_hi);
     }
 }

@@ -90,14 +90,16 @@ MEGAMOE_DEVICE void store_tile_bf16(const float (&acc)[WGMMA::kNumAccum], const 
     copy_staged_pass<T, 1>(staging, tile, d, math_thread_idx);
 }
 
-// kTrace: CTA 0 records its K blocks' timeline into `trace` (gemm/kblock_trace.cuh). kFeedOnly: no math (the
-// producers' rate; the output is not written).
-template <typename T, uint32_t kNumExperts, bool kTrace = false, bool kFeedOnly = false>
+// kBandM: m-blocks per band of the tile order (gemm/tile_scheduler.cuh). kPrefetch: the next stage awaited while a
+// block's last WGMMA group runs (gemm/consumer.cuh). kTrace: CTA 0 records its K blocks' timeline into `trace`
+// (gemm/kblock_trace.cuh). kFeedOnly: no math (the producers' rate; the output is not written).
+template <typename T, uint32_t kNumExperts, uint32_t kBandM, bool kPrefetch, bool kTrace = false,
+          bool kFeedOnly = false>
 MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUtensorMap* tensor_map_sfa,
                                       const CUtensorMap* tensor_map_b, const float* w_sf,
                                       const int* num_tokens_per_expert, __nv_bfloat16* d, const DeviceEnv& env,
                                       unsigned long long* trace = nullptr) {
-    using Scheduler = GroupedTileScheduler<T::BLOCK_M, T::kNumNBlocks, kNumExperts>;
+    using Scheduler = GroupedTileScheduler<T::BLOCK_M, T::kNumNBlocks, kNumExperts, kBandM>;
     extern __shared__ __align__(1024) uint8_t smem_buffer[];
     const GemmSmem<T> smem{smem_buffer};
     const Pipeline<T::kNumStages> pipeline{smem.full_barriers(), smem.empty_barriers()};
@@ -151,7 +153,7 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
             #pragma unroll
             for (uint32_t i = 0; i < WGMMA::kNumAccum; ++ i)
                 acc[i] = 0.0f;
-            consume_tile<T, kTrace, kFeedOnly>(pipeline, state, smem, weight_scales, math_wg_idx, thread_in_wg, acc,
+            consume_tile<T, kTrace, kFeedOnly, kPrefetch>(pipeline, state, smem, weight_scales, math_wg_idx, thread_in_wg, acc,
                                                env, &tracer);
             tile_idx += gridDim.x;
             const bool has_next = scheduler.locate(tile_idx, next_tile);

@@ -25,7 +25,8 @@ template <uint32_t kNumStages>
 struct Pipeline {
     uint64_t* full_barriers;   // [kNumStages], 2 arrivals (TMA-A and TMA-B warps) + transaction bytes
     uint64_t* empty_barriers;  // [kNumStages], one arrival per math warp
-    // The empty barriers' shared-window address, computed once (a generic-to-shared conversion reads SR_CgaCtaId)
+    // Shared-window addresses of the barriers, computed once (a generic-to-shared conversion reads SR_CgaCtaId)
+    uint32_t full_addr = smem_addr(full_barriers);
     uint32_t empty_addr = smem_addr(empty_barriers);
 
     // One thread initializes; fence_mbarrier_init + a CTA barrier must follow before use.
@@ -59,6 +60,19 @@ struct Pipeline {
     // Consumer wait: until both producers' bytes for this stage have landed.
     MEGAMOE_DEVICE void consumer_wait(const DeviceEnv& env, const PipelineState<kNumStages>& state) const {
         ptx::mbarrier_wait<false>(env, "gemm_full", full_barriers + state.stage, state.phase);
+    }
+
+    // Consumer wait that may run while a WGMMA group is in flight (ptx::mbarrier_wait_inline_at): returns 0, or
+    // the ns waited past the timeout; the caller reports it with report_full_timeout after its WGMMA wait.
+    MEGAMOE_DEVICE uint64_t consumer_wait_inline(const DeviceEnv& env, const PipelineState<kNumStages>& state) const {
+        return ptx::mbarrier_wait_inline_at(full_addr + state.stage * 8, state.phase, env.timeout_ns);
+    }
+
+    MEGAMOE_DEVICE void report_full_timeout(const DeviceEnv& env, const PipelineState<kNumStages>& state,
+                                            uint64_t waited_ns) const {
+        if (waited_ns != 0)
+            megamoe_report_timeout<false>(env, "gemm_full", waited_ns, state.phase,
+                                          static_cast<int64_t>(full_barriers[state.stage]), state.stage);
     }
 
     // Consumer release: one arrival per math warp, after that warp's wgmma reads of the stage completed.

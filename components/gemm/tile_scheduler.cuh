@@ -1,6 +1,11 @@
-// Grouped tile scheduler of the standalone GEMM: tiles (expert, m-block, n-block), expert-major, then
-// M-major, each expert's rows starting at a multiple of BLOCK_M in the pool (as scheduler.pool_offsets);
-// CTA s takes tiles s, s + num_ctas, ... Every role walks the same sequence on its own.
+// Grouped tile scheduler of the standalone GEMM: tiles (expert, m-block, n-block), expert-major; within an
+// expert, bands of kBandM m-blocks, and within a band n-block-major (the band's m-blocks the fastest index). Each
+// expert's rows start at a multiple of BLOCK_M in the pool (as scheduler.pool_offsets); CTA s takes tiles
+// s, s + num_ctas, ... Every role walks the same sequence on its own.
+// NOTES: why bands: the CTAs of one wave (132 consecutive tiles) share the A rows and B columns they read through
+// L2. M-major (kBandM = 1) spreads a wave over all n-blocks of ~4 m-blocks, so every wave re-reads the expert's
+// whole B (29 MiB at N 4096, K 7168: more than the L2 keeps) from HBM; a band of 16 m-blocks keeps its A rows in
+// L2 while the wave sweeps ~8 n-blocks at a time, so B is read once per band.
 #pragma once
 
 #include "common/utils.cuh"
@@ -15,8 +20,10 @@ struct Tile {
     uint32_t num_valid_rows;  // rows of the tile that belong to the expert (<= BLOCK_M)
 };
 
-template <uint32_t BLOCK_M, uint32_t kNumNBlocks, uint32_t kNumExperts>
+template <uint32_t BLOCK_M, uint32_t kNumNBlocks, uint32_t kNumExperts, uint32_t kBandM = 1>
 struct GroupedTileScheduler {
+    static_assert(kBandM >= 1, "a band holds at least one m-block");
+
     const int* num_tokens_per_expert;
     uint32_t expert_idx = 0;
     uint32_t expert_first_tile = 0;
@@ -39,10 +46,15 @@ struct GroupedTileScheduler {
                 return false;
             expert_num_tokens = __ldg(num_tokens_per_expert + expert_idx);
         }
+        // Band of m-blocks (the last one may be short), then n-block-major inside it
         const uint32_t local_idx = tile_idx - expert_first_tile;
+        const uint32_t band_idx = local_idx / (kBandM * kNumNBlocks);
+        const uint32_t band_first_m = band_idx * kBandM;
+        const uint32_t band_num_m = min(kBandM, ceil_div(expert_num_tokens, BLOCK_M) - band_first_m);
+        const uint32_t in_band = local_idx - band_idx * kBandM * kNumNBlocks;
         tile.expert_idx = expert_idx;
-        tile.m_block_idx = local_idx / kNumNBlocks;
-        tile.n_block_idx = local_idx % kNumNBlocks;
+        tile.m_block_idx = band_first_m + in_band % band_num_m;
+        tile.n_block_idx = in_band / band_num_m;
         tile.pool_row = expert_pool_row + tile.m_block_idx * BLOCK_M;
         tile.num_valid_rows = min(BLOCK_M, expert_num_tokens - tile.m_block_idx * BLOCK_M);
         return true;

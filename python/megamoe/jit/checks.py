@@ -18,6 +18,9 @@ class CheckOptions:
     # GEMM consumers: promotion FFMAs sit between a WGMMA group's QGMMAs and its WARPGROUP.DEPBAR, i.e. they run
     # while the group is in flight (gemm/consumer.cuh: consume_tile)
     expect_promotion_in_flight: bool = False
+    # GEMM consumers that prefetch the next stage: its full-barrier try-wait sits between a WGMMA group's QGMMAs
+    # and its WARPGROUP.DEPBAR (gemm/consumer.cuh: consume_tile, kPrefetch)
+    expect_stage_wait_in_flight: bool = False
 
 
 def sass_functions(sass: str) -> dict[str, str]:
@@ -73,17 +76,30 @@ def violations(result: CompileResult, options: CheckOptions = CheckOptions()) ->
         if options.expect_promotion_in_flight and not promotion_in_flight(hot):
             out.append(f"{entry.name}: no FFMA between a WGMMA group's QGMMAs and its wait (promotion does not "
                        f"overlap the tensor cores)")
+        if options.expect_stage_wait_in_flight and not stage_wait_in_flight(hot):
+            out.append(f"{entry.name}: no mbarrier try-wait between a WGMMA group's QGMMAs and its wait (the next "
+                       f"stage is not awaited while the tensor cores run)")
     return out
 
 
-def promotion_in_flight(sass: str) -> bool:
-    """Some FFMA runs after a QGMMA and before the next WARPGROUP.DEPBAR."""
+def _in_flight(sass: str, is_match) -> bool:
+    """Some line matching `is_match` runs after a QGMMA and before the next WARPGROUP.DEPBAR."""
     in_flight = False
     for line in sass.splitlines():
         if "QGMMA" in line:
             in_flight = True
         elif "WARPGROUP.DEPBAR" in line:
             in_flight = False
-        elif in_flight and "FFMA" in line:
+        elif in_flight and is_match(line):
             return True
     return False
+
+
+def promotion_in_flight(sass: str) -> bool:
+    """Some FFMA runs while a WGMMA group is in flight."""
+    return _in_flight(sass, lambda line: "FFMA" in line)
+
+
+def stage_wait_in_flight(sass: str) -> bool:
+    """Some mbarrier try-wait (SYNCS.PHASECHK ... TRYWAIT) runs while a WGMMA group is in flight."""
+    return _in_flight(sass, lambda line: "SYNCS.PHASECHK" in line and "TRYWAIT" in line)

@@ -61,8 +61,9 @@ def all_variants() -> list[tuple[str, object, CheckOptions]]:
     out: dict[str, tuple[str, object, CheckOptions]] = {}
     for config in SMOKE_CONFIGS:
         out[config.name] = (config.name, config, CheckOptions())
-    # Every GEMM consumer promotes while a WGMMA group runs (all shapes here have >= 2 K blocks)
-    gemm_checks = CheckOptions(expect_qgmma=True, expect_promotion_in_flight=True)
+    # Every GEMM consumer promotes and awaits its next stage while a WGMMA group runs (all shapes here have >= 2
+    # K blocks)
+    gemm_checks = CheckOptions(expect_qgmma=True, expect_promotion_in_flight=True, expect_stage_wait_in_flight=True)
     for config in GEMM_EXACT_CONFIGS + GEMM_RANDOM_CONFIGS + GEMM_BENCH_CONFIGS:
         out[config.name] = (config.name, config, gemm_checks)
     for config in FFN_EXACT_CONFIGS + FFN_RANDOM_CONFIGS + FFN_BENCH_CONFIGS:

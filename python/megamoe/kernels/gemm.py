@@ -29,6 +29,8 @@ class GemmConfig:
     k: int
     num_experts: int
     num_stages: int = 0  # 0: as many as fit
+    band_m: int = 16  # m-blocks per band of the tile order, n-block-major inside a band (1: M-major)
+    prefetch: bool = True  # the next stage awaited while a block's last WGMMA group runs
     trace: bool = False  # CTA 0 records its K blocks' timeline (run(..., trace=)); profiling only
     feed_only: bool = False  # no math, output unwritten: the producers' rate; profiling only
 
@@ -40,6 +42,8 @@ class GemmConfig:
         if self.n % (256 if self.mode == "l1" else 128) or self.k % 128:
             raise ValueError(f"n must be a multiple of {256 if self.mode == 'l1' else 128} and k of 128, "
                              f"got n={self.n} k={self.k}")
+        if self.band_m < 1:
+            raise ValueError(f"band_m must be >= 1, got {self.band_m}")
         if self.num_stages == 0:
             object.__setattr__(self, "num_stages", min(MAX_NUM_STAGES, (SMEM_LIMIT - 1024 - self.staging_bytes) //
                                                        (self.stage_bytes + 16)))
@@ -68,7 +72,8 @@ class GemmConfig:
     @property
     def name(self) -> str:
         return (f"megamoe_gemm_{self.mode}_m{self.block_m}_n{self.n}_k{self.k}_e{self.num_experts}"
-                f"_s{self.num_stages}{'_trace' if self.trace else ''}{'_feed' if self.feed_only else ''}")
+                f"_s{self.num_stages}_b{self.band_m}{'' if self.prefetch else '_nopf'}"
+                f"{'_trace' if self.trace else ''}{'_feed' if self.feed_only else ''}")
 
     def pool_offsets(self, num_tokens_per_expert: list[int]) -> list[int]:
         from megamoe.scheduler import pool_offsets
@@ -94,7 +99,8 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
 {config.name}(const __grid_constant__ CUtensorMap tensor_map_a, const __grid_constant__ CUtensorMap tensor_map_sfa,
               const __grid_constant__ CUtensorMap tensor_map_b, const float* w_sf, const int* num_tokens_per_expert,
               __nv_bfloat16* d, const megamoe::DeviceEnv env, unsigned long long* trace) {{
-    megamoe::gemm::grouped_gemm_impl<Traits, {config.num_experts}, {_cpp_bool(config.trace)}, {_cpp_bool(config.feed_only)}>(
+    megamoe::gemm::grouped_gemm_impl<Traits, {config.num_experts}, {config.band_m}, {_cpp_bool(config.prefetch)},
+                                     {_cpp_bool(config.trace)}, {_cpp_bool(config.feed_only)}>(
         &tensor_map_a, &tensor_map_sfa, &tensor_map_b, w_sf, num_tokens_per_expert, d, env, trace);
 }}
 """
