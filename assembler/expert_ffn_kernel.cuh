@@ -36,8 +36,10 @@ struct SharedRingTraits : Base {
     static constexpr uint32_t kSmemBytes = kOffsetBarriers + 2 * Base::kNumStages * 8;
 };
 
+// kBandM: m-blocks per band of the tile order (gemm/tile_scheduler.cuh); kPrefetch: the next stage awaited while
+// a block's last WGMMA group runs (gemm/consumer.cuh).
 template <uint32_t BLOCK_M_, uint32_t kNumStages_, uint32_t kHidden_, uint32_t kIntermediate_, uint32_t kNumExperts_,
-          bool kClamp_, bool kFastMath_, bool kDebugL1Acc_>
+          bool kClamp_, bool kFastMath_, bool kDebugL1Acc_, uint32_t kBandM_ = 1, bool kPrefetch_ = true>
 struct ExpertFfnTraits {
     static constexpr uint32_t BLOCK_M = BLOCK_M_;
     static constexpr uint32_t kNumStages = kNumStages_;
@@ -47,6 +49,8 @@ struct ExpertFfnTraits {
     static constexpr bool kClamp = kClamp_;
     static constexpr bool kFastMath = kFastMath_;
     static constexpr bool kDebugL1Acc = kDebugL1Acc_;
+    static constexpr uint32_t kBandM = kBandM_;
+    static constexpr bool kPrefetch = kPrefetch_;
 
     using L1Base = gemm::GemmTraits<BLOCK_M, kNumStages, gemm::ScaleMode::kL1GateUp, 2 * kIntermediate, kHidden>;
     using L2Base = gemm::GemmTraits<BLOCK_M, kNumStages, gemm::ScaleMode::kL2Per64, kHidden, kIntermediate>;
@@ -114,7 +118,7 @@ template <typename T>
 MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnParams& p, const DeviceEnv& env) {
     using L1 = typename T::L1;
     using L2 = typename T::L2;
-    using Scheduler = ExpertFfnScheduler<T::BLOCK_M, T::kNumL1NBlocks, T::kNumL2NBlocks, T::kNumExperts>;
+    using Scheduler = ExpertFfnScheduler<T::BLOCK_M, T::kNumL1NBlocks, T::kNumL2NBlocks, T::kNumExperts, T::kBandM>;
     constexpr uint32_t kNumMathThreads = T::kNumMathThreads;
     extern __shared__ __align__(1024) uint8_t smem_buffer[];
     const gemm::GemmSmem<L1> smem_l1{smem_buffer};
@@ -205,7 +209,7 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 acc[i] = 0.0f;
 
             if (task.phase == Phase::kL1) {
-                gemm::consume_tile<L1>(pipeline, state, smem_l1, weight_scales, math_wg_idx, thread_in_wg, acc, env);
+                gemm::consume_tile<L1, false, false, T::kPrefetch>(pipeline, state, smem_l1, weight_scales, math_wg_idx, thread_in_wg, acc, env);
                 has_task = locate_next(next_task);
                 if constexpr (T::kDebugL1Acc)
                     epilogue::store_l1_acc_natural<T::kIntermediate>(acc, frag, out_tile, p.l1_acc);
@@ -219,7 +223,7 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 // Publish the last L1 tile before waiting for any L2 input (this CTA's L2 producer may need it)
                 if (is_store_thread)
                     l1_state.publish_pending();
-                gemm::consume_tile<L2>(pipeline, state, smem_l2, weight_scales, math_wg_idx, thread_in_wg, acc, env);
+                gemm::consume_tile<L2, false, false, T::kPrefetch>(pipeline, state, smem_l2, weight_scales, math_wg_idx, thread_in_wg, acc, env);
                 has_task = locate_next(next_task);
 
                 // Stage as BF16 rows once every earlier reader of the staging area is done (the L1 stores were

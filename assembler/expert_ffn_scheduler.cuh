@@ -1,5 +1,5 @@
-// Task sequence of the expert-FFN unit kernel: every L1 tile (expert-major, then m-block, then n-block), then
-// every L2 tile in the same order; CTA s takes tasks s, s + num_ctas, ... Every role walks it on its own.
+// Task sequence of the expert-FFN unit kernel: every L1 tile (expert-major, then bands of kBandM m-blocks, n-block-
+// major inside a band: gemm/tile_scheduler.cuh), then every L2 tile in the same order; CTA s takes tasks s, s + num_ctas, ... Every role walks it on its own.
 // No deadlock (as megamoe/scheduler.py argues for the fused wave schedule): an L2 tile waits only for the L1
 // tiles of its pool block, all earlier in the sequence; each CTA runs its tasks in increasing order and every
 // CTA is resident (cooperative launch), so by induction on the task index every task completes.
@@ -16,10 +16,10 @@ struct FfnTask {
     gemm::Tile tile;
 };
 
-template <uint32_t BLOCK_M, uint32_t kNumL1NBlocks, uint32_t kNumL2NBlocks, uint32_t kNumExperts>
+template <uint32_t BLOCK_M, uint32_t kNumL1NBlocks, uint32_t kNumL2NBlocks, uint32_t kNumExperts, uint32_t kBandM = 1>
 struct ExpertFfnScheduler {
-    gemm::GroupedTileScheduler<BLOCK_M, kNumL1NBlocks, kNumExperts> l1;
-    gemm::GroupedTileScheduler<BLOCK_M, kNumL2NBlocks, kNumExperts> l2;
+    gemm::GroupedTileScheduler<BLOCK_M, kNumL1NBlocks, kNumExperts, kBandM> l1;
+    gemm::GroupedTileScheduler<BLOCK_M, kNumL2NBlocks, kNumExperts, kBandM> l2;
     bool in_l2 = false;
     uint32_t num_l1_tiles = 0;
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from dataclasses import replace
+from typing import Any, Callable
 
 import torch
 from rich.console import Console
@@ -55,10 +56,7 @@ def sweep_case(index: int, knobs: list[str], rounds: int, iters: int, console: C
     mismatched = {k or "default": int((o.view(torch.int16) != outputs[0].view(torch.int16)).sum().item())
                   for k, o in zip(knobs, outputs)}
     runners["cuBLAS blockwise loop"] = bench.graphed(bench._cublas_blockwise(problem))
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, fn in runners.items():
-            times[name].append(bench.time_us(fn, iters=iters))
+    times = bench.time_rounds(runners, rounds=rounds, iters=iters)
     table = Table(title=f"{case.name} ({rounds} rounds x median of {iters})")
     for col in ("variant", "median us", "TFLOP/s", "min..max us", "spread", "outputs != first"):
         table.add_column(col, justify="left" if col == "variant" else "right")
@@ -71,22 +69,30 @@ def sweep_case(index: int, knobs: list[str], rounds: int, iters: int, console: C
     torch.cuda.empty_cache()
 
 
-def main() -> None:
+def sweep_main(configs: Callable[[int, list[str]], list], compile_fn: Callable[[Any], Any],
+               sweep_case: Callable[[int, list[str], int, int, Console], None], *, default_cases: list[int],
+               default_knobs: list[str]) -> None:
+    """The command line of a sweep script: compile every (case, knob) variant, then (unless --compile-only)
+    sweep each case. Shared by this script and scripts/sweep_ffn.py."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--knobs", nargs="+", default=list(DEFAULT_KNOBS))
+    parser.add_argument("--cases", type=int, nargs="+", default=default_cases)
+    parser.add_argument("--knobs", nargs="+", default=default_knobs)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--compile-only", action="store_true")
     args = parser.parse_args()
     for index in args.cases:
         for config in configs(index, args.knobs):
-            gemm.compile_gemm(config)
+            compile_fn(config)
     if args.compile_only:
         return
     console = Console(width=140)
     for index in args.cases:
         sweep_case(index, args.knobs, args.rounds, args.iters, console)
+
+
+def main() -> None:
+    sweep_main(configs, gemm.compile_gemm, sweep_case, default_cases=[1, 2, 3], default_knobs=list(DEFAULT_KNOBS))
 
 
 if __name__ == "__main__":

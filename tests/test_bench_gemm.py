@@ -49,3 +49,17 @@ def test_targets_judged_from_timings(good: bool) -> None:
         assert target["met"] is good, target
     assert targets["prefill / cuBLAS loop (speedup)"]["value"] == pytest.approx(1.05 * scale)
     assert targets["L2 / L1 same shape (K2048)"]["value"] == pytest.approx(0.85 * scale * scale)
+
+
+def test_time_rounds_times_every_runner_once_per_round_in_shuffled_orders(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    runners = {name: (lambda name=name: calls.append(name)) for name in "abcdef"}
+    monkeypatch.setattr(bench, "time_us", lambda fn, iters: (fn(), float(len(calls)))[1])
+    times = bench.time_rounds(runners, rounds=4, iters=3)
+    assert list(times) == list(runners)
+    assert all(len(ts) == 4 for ts in times.values())
+    rounds = [calls[i:i + 6] for i in range(0, 24, 6)]
+    assert rounds[0] == list("abcdef")  # the first round in the given order
+    assert all(sorted(r) == list("abcdef") for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1  # later rounds reordered
+    assert bench.time_rounds(runners, rounds=4, iters=3) == {k: [v + 24 for v in ts] for k, ts in times.items()}

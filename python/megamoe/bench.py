@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,6 +50,22 @@ def time_us(fn: Callable[[], None], *, warmup: int = 5, iters: int = 30) -> floa
         stop.synchronize()
         times.append(start.elapsed_time(stop) * 1e3)
     return statistics.median(times)
+
+
+def time_rounds(runners: dict[str, Callable[[], None]], *, rounds: int, iters: int) -> dict[str, list[float]]:
+    """Each round times every runner once (time_us: median of `iters`), so that the GPU's clock and power state (the
+    H200 runs into its power cap under load and clocks between 1.3 and 1.98 GHz) hits all of them alike instead of
+    favouring whichever runs after a pause. The first round goes in the given order, every later one in its own
+    (seeded, so repeatable) shuffle: the power state a runner meets depends on what ran just before it (measured:
+    in a fixed order, the runner that always follows the heaviest case ran 5-10% slower than elsewhere).
+    Returns each runner's per-round medians."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    names = list(runners)
+    for round_idx in range(rounds):
+        order = names if round_idx == 0 else random.Random(round_idx).sample(names, len(names))
+        for name in order:
+            times[name].append(time_us(runners[name], iters=iters))
+    return times
 
 
 def graphed(fn: Callable[[], None], capture_error_mode: str = "global") -> Callable[[], None]:
@@ -150,6 +167,7 @@ class Measurement:
     tflops: float | None = None
     weight_gbps: float | None = None
     note: str = ""
+    rounds_us: list[float] = field(default_factory=list)  # per-round medians (time_us: their median)
 
 
 @dataclass
@@ -159,10 +177,10 @@ class CaseResult:
     weight_bytes: float
     measurements: list[Measurement] = field(default_factory=list)
 
-    def add(self, impl: str, time: float | None, note: str = "") -> None:
+    def add(self, impl: str, time: float | None, note: str = "", rounds_us: Sequence[float] = ()) -> None:
         self.measurements.append(Measurement(
             impl, time, None if time is None else self.flops / time / 1e6,
-            None if time is None else self.weight_bytes / time / 1e3, note))
+            None if time is None else self.weight_bytes / time / 1e3, note, list(rounds_us)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -246,27 +264,47 @@ def _bf16_grouped(problem) -> Callable[[], None]:
     return lambda: torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
 
 
-def bench_gemm(cases: list[GemmCase] = GEMM_CASES) -> list[CaseResult]:
+def bench_gemm(cases: list[GemmCase] = GEMM_CASES, *, rounds: int = 9, iters: int = 20) -> list[CaseResult]:
+    """Every case and implementation graphed first, then `rounds` rounds that each time all of them once
+    (time_rounds): ours, the baselines and the cases the targets compare (L2 against L1 on the same shape) see the
+    same power state. Each time is the median over the rounds of the per-round medians."""
     from megamoe.kernels import gemm
 
-    results = []
+    results: list[CaseResult] = []
+    runners: dict[str, Callable[[], None]] = {}
+    failed: dict[str, str] = {}
+    keys: list[list[tuple[str, str]]] = []  # per case: (impl, runner key)
+    kept = []  # problems and outputs the graphs read and write
     for case in cases:
         config = gemm.GemmConfig(case.block_m, case.mode, case.n, case.k, case.num_groups)
         problem = gemm.make_problem(config, [case.rows] * case.num_groups, small_int=False)
         d = torch.empty(problem.num_pool_rows, case.n, dtype=torch.bfloat16, device="cuda")
-        result = CaseResult(case.name, 2.0 * case.num_groups * case.rows * case.n * case.k,
-                            float(case.num_groups * case.n * case.k))
-        result.add(f"megamoe {case.mode} BM{case.block_m} (graphed)",
-                   time_us(graphed(lambda: gemm.run_problem(problem, d))))
-        for impl, make in (("cuBLAS blockwise loop (graphed)", _cublas_blockwise),
+        kept.append((problem, d))
+        results.append(CaseResult(case.name, 2.0 * case.num_groups * case.rows * case.n * case.k,
+                                  float(case.num_groups * case.n * case.k)))
+        case_keys = []
+        for impl, make in ((f"megamoe {case.mode} BM{case.block_m} (graphed)",
+                            lambda p=problem, d=d: (lambda: gemm.run_problem(p, d))),
+                           ("cuBLAS blockwise loop (graphed)", _cublas_blockwise),
                            ("torch._grouped_mm BF16 (graphed)", _bf16_grouped)):
+            key = f"{case.name}: {impl}"
+            case_keys.append((impl, key))
             try:
-                result.add(impl, time_us(graphed(make(problem))))
+                runners[key] = graphed(make(problem))
             except Exception as exc:  # a baseline this torch build lacks is reported, not fatal
-                result.add(impl, None, note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
-        results.append(result)
-        del problem, d
-        torch.cuda.empty_cache()
+                failed[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        keys.append(case_keys)
+    times = time_rounds(runners, rounds=rounds, iters=iters)
+    for result, case_keys in zip(results, keys):
+        for impl, key in case_keys:
+            if key in failed:
+                result.add(impl, None, note=failed[key])
+            else:
+                ts = times[key]
+                result.add(impl, statistics.median(ts), note=f"rounds {min(ts):.0f}..{max(ts):.0f} us",
+                           rounds_us=ts)
+    del runners, kept
+    torch.cuda.empty_cache()
     return results
 
 
