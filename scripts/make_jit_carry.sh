@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Fill the JIT cache with every kernel variant (megamoe jit warm + the comm bench's variants), then copy the
-# entries this warm-up used (a cache hit marks its build.json) without the SASS listings and sources into
-# .jit-carry/ — small enough to carry to the device machine (64 MiB limit on what travels).
+# Fill the JIT cache with every kernel variant (megamoe jit warm, the comm bench's and the dispatch tests'
+# variants), then copy the entries this warm-up used (a cache hit marks its build.json) without the SASS listings
+# and sources into .jit-carry/ — small enough to carry to the device machine (64 MiB limit on what travels).
 # Usage: scripts/make_jit_carry.sh [a command that compiles more, run before the copy]   (then carry [".jit-carry"])
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +10,8 @@ mkdir -p .jit-cache
 stamp=$(mktemp)
 python3 -m megamoe.cli jit warm > /dev/null
 python3 -m megamoe.cli bench comm --compile-only > /dev/null
+# The dispatch/combine tests' own variants (their compile tier lists every variant the gpu and multigpu tiers launch)
+python3 -m pytest -q -m compile -p no:cacheprovider tests/test_dispatch_combine.py > /dev/null
 if [ $# -gt 0 ]; then "$@" > /dev/null; fi
 rm -rf .jit-carry
 python3 - "$stamp" <<'PY'
