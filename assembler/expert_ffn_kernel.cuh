@@ -209,7 +209,8 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 acc[i] = 0.0f;
 
             if (task.phase == Phase::kL1) {
-                gemm::consume_tile<L1, false, false, T::kPrefetch>(pipeline, state, smem_l1, weight_scales, math_wg_idx, thread_in_wg, acc, env);
+                gemm::consume_tile<L1, false, false, T::kPrefetch>(pipeline, state, smem_l1, weight_scales,
+                                                                   math_wg_idx, thread_in_wg, acc, env);
                 has_task = locate_next(next_task);
                 if constexpr (T::kDebugL1Acc)
                     epilogue::store_l1_acc_natural<T::kIntermediate>(acc, frag, out_tile, p.l1_acc);
@@ -223,7 +224,8 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 // Publish the last L1 tile before waiting for any L2 input (this CTA's L2 producer may need it)
                 if (is_store_thread)
                     l1_state.publish_pending();
-                gemm::consume_tile<L2, false, false, T::kPrefetch>(pipeline, state, smem_l2, weight_scales, math_wg_idx, thread_in_wg, acc, env);
+                gemm::consume_tile<L2, false, false, T::kPrefetch>(pipeline, state, smem_l2, weight_scales,
+                                                                   math_wg_idx, thread_in_wg, acc, env);
                 has_task = locate_next(next_task);
 
                 // Stage as BF16 rows once every earlier reader of the staging area is done (the L1 stores were

@@ -1,5 +1,6 @@
 // Task sequence of the expert-FFN unit kernel: every L1 tile (expert-major, then bands of kBandM m-blocks, n-block-
-// major inside a band: gemm/tile_scheduler.cuh), then every L2 tile in the same order; CTA s takes tasks s, s + num_ctas, ... Every role walks it on its own.
+// major inside a band: gemm/tile_scheduler.cuh), then every L2 tile in the same order; CTA s takes tasks s,
+// s + num_ctas, ... Every role walks it on its own.
 // No deadlock (as megamoe/scheduler.py argues for the fused wave schedule): an L2 tile waits only for the L1
 // tiles of its pool block, all earlier in the sequence; each CTA runs its tasks in increasing order and every
 // CTA is resident (cooperative launch), so by induction on the task index every task completes.

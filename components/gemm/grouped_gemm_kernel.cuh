@@ -153,8 +153,8 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
             #pragma unroll
             for (uint32_t i = 0; i < WGMMA::kNumAccum; ++ i)
                 acc[i] = 0.0f;
-            consume_tile<T, kTrace, kFeedOnly, kPrefetch>(pipeline, state, smem, weight_scales, math_wg_idx, thread_in_wg, acc,
-                                               env, &tracer);
+            consume_tile<T, kTrace, kFeedOnly, kPrefetch>(pipeline, state, smem, weight_scales, math_wg_idx,
+                                                          thread_in_wg, acc, env, &tracer);
             tile_idx += gridDim.x;
             const bool has_next = scheduler.locate(tile_idx, next_tile);
             if (has_next)

@@ -1,0 +1,34 @@
+"""cpu: the GEMM unit kernel's configs (megamoe.kernels.gemm.GemmConfig) and the schedule knobs they compile in."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from megamoe.kernels import catalog, gemm  # noqa: E402
+
+
+def test_names_unique_and_knobs_in_source() -> None:
+    configs = (catalog.GEMM_EXACT_CONFIGS + catalog.GEMM_SCHEDULE_CONFIGS + catalog.GEMM_RANDOM_CONFIGS
+               + catalog.GEMM_BENCH_CONFIGS)
+    distinct = {(c.block_m, c.mode, c.n, c.k, c.num_experts, c.band_m, c.prefetch) for c in configs}
+    assert len({c.name for c in configs}) == len(distinct)
+    default = gemm.GemmConfig(128, "l2", 4096, 2048, 32)
+    assert default.band_m == 16 and default.prefetch
+    assert default.name == f"megamoe_gemm_l2_m128_n4096_k2048_e32_s{default.num_stages}_b16"
+    assert "grouped_gemm_impl<Traits, 32, 16, true,\n" in gemm.source(default)
+    knobs = gemm.GemmConfig(64, "l1", 1024, 1024, 6, band_m=1, prefetch=False)
+    assert knobs.name.endswith("_b1_nopf") and "grouped_gemm_impl<Traits, 6, 1, false,\n" in gemm.source(knobs)
+    with pytest.raises(ValueError, match="band_m"):
+        gemm.GemmConfig(128, "l1", 1024, 1024, 2, band_m=0)
+
+
+def test_schedule_cases_cover_the_consumer_paths() -> None:
+    # K-block counts: one block, the smallest pair, an even count, odd counts (the extra block after the loop)
+    k_blocks = {c.k // 128 for c in catalog.GEMM_SCHEDULE_CONFIGS}
+    assert {1, 2, 6, 9, 11} <= k_blocks
+    for mode in ("l1", "l2"):
+        assert {c.k // 128 for c in catalog.GEMM_SCHEDULE_CONFIGS if c.mode == mode} == k_blocks
+    # bands shorter than an expert's m-blocks, and cut short at its end
+    banded = [c for c in catalog.GEMM_SCHEDULE_CONFIGS if c.band_m > 1 and c.band_m != 16]
+    assert banded and all(max(-(-n // c.block_m) for n in catalog.GEMM_EXACT_COUNTS) % c.band_m for c in banded)
