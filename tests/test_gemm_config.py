@@ -26,7 +26,7 @@ def test_names_unique_and_knobs_in_source() -> None:
 def test_schedule_cases_cover_the_consumer_paths() -> None:
     # K-block counts: one block, the smallest pair, an even count, odd counts (the extra block after the loop)
     k_blocks = {c.k // 128 for c in catalog.GEMM_SCHEDULE_CONFIGS}
-    assert {1, 2, 6, 9, 11} <= k_blocks
+    assert {1, 2, 3, 6, 9, 11} <= k_blocks
     for mode in ("l1", "l2"):
         assert {c.k // 128 for c in catalog.GEMM_SCHEDULE_CONFIGS if c.mode == mode} == k_blocks
     # bands shorter than an expert's m-blocks, and cut short at its end

@@ -133,9 +133,9 @@ MEGAMOE_DEVICE void drain_tile(const Pipeline<T::kNumStages>& pipeline, Pipeline
 // them below the next wait. A stage wait in flight is one asm block (no C++ loop or trap path there: C7518), whose
 // timeout is reported after the group's wait; whether a next block exists is a compile-time fact of each call
 // (the first and last blocks are peeled), never a branch in flight. Blocking stage waits run with nothing in flight.
-// Known limit: with 3 to 5 K blocks (K = 384..640), and 7 in L2 mode, ptxas spills 8-996 B in this schedule (the
-// previous one spilled 12-52 B at 3-4 blocks); 1, 2 and every count from 6 up (L2: 6 and from 8 up) compile clean,
-// i.e. every DeepSeek-class H and I (notes/gemm.md, session 11).
+// Known limit: in L2 mode with 4, 5 or 7 K blocks (K = 512, 640, 896) ptxas spills 8-996 B in the math warps;
+// every other count from 1 to 64 compiles clean in both modes, every DeepSeek-class H and I among them
+// (notes/gemm.md, session 11).
 template <typename T, bool kTrace = false, bool kFeedOnly = false, bool kPrefetch = true>
 MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
                                  const GemmSmem<T>& smem, const WeightScales& weight_scales, uint32_t math_wg_idx,

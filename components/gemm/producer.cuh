@@ -1,5 +1,8 @@
 // Producer side of the GEMM pipeline: the TMA-A warp (activation tile + its scale factors, MN-major pool)
 // and the TMA-B warp (weight tile). One lane of each warp issues; both arrive on the stage's full barrier.
+// The K loops stay rolled (`#pragma unroll 1`): with 3-5 K blocks the compiler unrolled them fully and the
+// producer warps, at their reduced register budget, spilled 12-52 B (the wait loops' timeout values). The
+// catalog's variants (8 K blocks and more) were never unrolled: their SASS is unchanged.
 #pragma once
 
 #include "common/tma.cuh"
@@ -14,6 +17,7 @@ template <typename T>
 MEGAMOE_DEVICE void produce_a_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
                                    const GemmSmem<T>& smem, const CUtensorMap* tensor_map_a,
                                    const CUtensorMap* tensor_map_sfa, uint32_t pool_row, const DeviceEnv& env) {
+    #pragma unroll 1
     for (uint32_t k_block_idx = 0; k_block_idx < T::kNumKBlocks; ++ k_block_idx) {
         pipeline.producer_acquire(env, state);
         pipeline.producer_commit(state, T::kTmaBytesA);
@@ -30,6 +34,7 @@ template <typename T>
 MEGAMOE_DEVICE void produce_b_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
                                    const GemmSmem<T>& smem, const CUtensorMap* tensor_map_b, uint32_t b_row,
                                    const DeviceEnv& env) {
+    #pragma unroll 1
     for (uint32_t k_block_idx = 0; k_block_idx < T::kNumKBlocks; ++ k_block_idx) {
         pipeline.producer_acquire(env, state);
         pipeline.producer_commit(state, T::kTmaBytesB);
