@@ -4,6 +4,7 @@
 #pragma once
 
 #include <type_traits>
+#include <utility>
 
 #include "common/wgmma.cuh"
 #include "gemm/kblock_trace.cuh"
@@ -116,6 +117,12 @@ MEGAMOE_DEVICE void drain_tile(const Pipeline<T::kNumStages>& pipeline, Pipeline
     }
 }
 
+// f(std::integral_constant<uint32_t, i>{}) for each i of the sequence, in order (a compile-time unrolled loop)
+template <typename F, uint32_t... kIdx>
+MEGAMOE_DEVICE void for_each_index(std::integer_sequence<uint32_t, kIdx...>, const F& f) {
+    (f(std::integral_constant<uint32_t, kIdx>{}), ...);
+}
+
 // Accumulate one tile into `acc` (which the caller zeroes), promoted per WGMMA group (DESIGN section 4), with two
 // partial accumulators so that each group runs while the previous group's partial is promoted: the tensor cores do
 // not wait for this warpgroup's FFMAs (the other warpgroup's groups fill what remains). L1: block kb runs into one
@@ -133,9 +140,7 @@ MEGAMOE_DEVICE void drain_tile(const Pipeline<T::kNumStages>& pipeline, Pipeline
 // them below the next wait. A stage wait in flight is one asm block (no C++ loop or trap path there: C7518), whose
 // timeout is reported after the group's wait; whether a next block exists is a compile-time fact of each call
 // (the first and last blocks are peeled), never a branch in flight. Blocking stage waits run with nothing in flight.
-// Known limit: in L2 mode with 4, 5 or 7 K blocks (K = 512, 640, 896) ptxas spills 8-996 B in the math warps;
-// every other count from 1 to 64 compiles clean in both modes, every DeepSeek-class H and I among them
-// (notes/gemm.md, session 11).
+// Every K-block count from 1 to 64 compiles without spills in both modes (checked, notes/gemm.md, session 11).
 template <typename T, bool kTrace = false, bool kFeedOnly = false, bool kPrefetch = true>
 MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
                                  const GemmSmem<T>& smem, const WeightScales& weight_scales, uint32_t math_wg_idx,
@@ -273,8 +278,16 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, Pipeli
             complete(d1);
             release(has_next);
         };
+        // Up to kMaxPeeledL2Blocks every block is peeled; beyond, block 0, pairs, the odd middle block if any, the
+        // last. (ptxas spilled 8-996 B with the pair loop at 4, 5 and 7 blocks, and whole partials around the back
+        // edge of a loop over single blocks.)
+        constexpr uint32_t kMaxPeeledL2Blocks = 7;
         block(0, kNo, kFirstHasNext);
-        if constexpr (kNumKBlocks > 1) {
+        if constexpr (kNumKBlocks > 1 and kNumKBlocks <= kMaxPeeledL2Blocks) {
+            for_each_index(std::make_integer_sequence<uint32_t, kNumKBlocks - 2>{},
+                           [&](auto idx) { block(decltype(idx)::value + 1, kYes, kYes); });
+            block(kNumKBlocks - 1, kYes, kNo);
+        } else if constexpr (kNumKBlocks > 1) {
             #pragma unroll 1
             for (uint32_t kb = 1; kb + 2 < kNumKBlocks; kb += 2) {
                 block(kb, kYes, kYes);

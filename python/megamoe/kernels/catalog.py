@@ -12,13 +12,12 @@ GEMM_EXACT_COUNTS = [0, 1, 33, 64, 129, 200]
 
 GEMM_EXACT_CONFIGS = [gemm.GemmConfig(block_m, mode, n, k, len(GEMM_EXACT_COUNTS))
                       for block_m in (32, 64, 128) for mode, n, k in (("l1", 1024, 2048), ("l2", 1024, 1024))]
-# The consumer's schedule paths, bit-exact: K-block counts 1, 2, 3, 6, 9 and 11 (it peels the first and the last
-# block and loops over block pairs, with an odd count one more block after the loop) in both modes, and bands of 3
-# m-blocks in the tile order (bands cut short at an expert's end). (4, 5 and 7 K blocks in L2 mode compile with
-# spills: gemm/consumer.cuh.)
+# The consumer's schedule paths, bit-exact: K-block counts 1 to 7, 9 and 11 in both modes (it peels the first and the
+# last block and loops over block pairs, with an odd count one more block after the loop; L2 mode peels every block
+# up to 7), and bands of 3 m-blocks in the tile order (bands cut short at an expert's end)
 GEMM_SCHEDULE_CONFIGS = [
-    gemm.GemmConfig(block_m, mode, 1024, k, len(GEMM_EXACT_COUNTS))
-    for block_m in (128, 32) for mode in ("l1", "l2") for k in (128, 256, 384, 768, 1152, 1408)
+    gemm.GemmConfig(block_m, mode, 1024, 128 * num_k_blocks, len(GEMM_EXACT_COUNTS))
+    for block_m in (128, 32) for mode in ("l1", "l2") for num_k_blocks in (1, 2, 3, 4, 5, 6, 7, 9, 11)
 ] + [gemm.GemmConfig(block_m, mode, 1024, 1024, len(GEMM_EXACT_COUNTS), band_m=3)
      for block_m, mode in ((32, "l1"), (32, "l2"), (128, "l1"))]
 # (mode, N, K) covering K in {2048, 4096, 7168} and N in {2048, 4096, 6144}, each BLOCK_M at least once
