@@ -274,25 +274,23 @@ def bench_gemm(cases: list[GemmCase] = GEMM_CASES, *, rounds: int = 9, iters: in
     runners: dict[str, Callable[[], None]] = {}
     failed: dict[str, str] = {}
     keys: list[list[tuple[str, str]]] = []  # per case: (impl, runner key)
-    kept = []  # problems and outputs the graphs read and write
     for case in cases:
         config = gemm.GemmConfig(case.block_m, case.mode, case.n, case.k, case.num_groups)
         problem = gemm.make_problem(config, [case.rows] * case.num_groups, small_int=False)
         d = torch.empty(problem.num_pool_rows, case.n, dtype=torch.bfloat16, device="cuda")
-        kept.append((problem, d))
         results.append(CaseResult(case.name, 2.0 * case.num_groups * case.rows * case.n * case.k,
                                   float(case.num_groups * case.n * case.k)))
         case_keys = []
         for impl, make in ((f"megamoe {case.mode} BM{case.block_m} (graphed)",
-                            lambda p=problem, d=d: (lambda: gemm.run_problem(p, d))),
+                            lambda p, d=d: (lambda: gemm.run_problem(p, d))),
                            ("cuBLAS blockwise loop (graphed)", _cublas_blockwise),
                            ("torch._grouped_mm BF16 (graphed)", _bf16_grouped)):
             key = f"{case.name}: {impl}"
             case_keys.append((impl, key))
-            try:
+            try:  # the graph's replay holds the closure, hence the problem and outputs it reads and writes
                 runners[key] = graphed(make(problem))
             except Exception as exc:  # a baseline this torch build lacks is reported, not fatal
-                failed[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                failed[key] = first_line(exc, 80)
         keys.append(case_keys)
     times = time_rounds(runners, rounds=rounds, iters=iters)
     for result, case_keys in zip(results, keys):
@@ -303,7 +301,7 @@ def bench_gemm(cases: list[GemmCase] = GEMM_CASES, *, rounds: int = 9, iters: in
                 ts = times[key]
                 result.add(impl, statistics.median(ts), note=f"rounds {min(ts):.0f}..{max(ts):.0f} us",
                            rounds_us=ts)
-    del runners, kept
+    del runners
     torch.cuda.empty_cache()
     return results
 
