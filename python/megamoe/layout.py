@@ -47,7 +47,8 @@ DTYPE_BYTES: dict[str, int] = {
     "float8_e4m3fn": 1,
 }
 
-# Region names in buffer order, grouped; the workspace group is one contiguous span zeroed between calls.
+# Region names in buffer order, grouped. The workspace group is one contiguous span, zeroed once at allocation
+# (buffer.allocate); between calls there is no host memset: the kernel cleans its own counters (DESIGN 5c).
 WORKSPACE_REGIONS = (
     "workspace_header",
     "expert_send_count",
@@ -246,7 +247,7 @@ class SymmLayout:
 
     @property
     def workspace_bytes(self) -> int:
-        """Bytes to zero between calls: the span [workspace_begin, workspace_end)."""
+        """Bytes of the workspace span [workspace_begin, workspace_end) (zeroed once, at allocation)."""
         return self.workspace_end - self.workspace_begin
 
     def region(self, name: str) -> Region:
@@ -262,7 +263,9 @@ class SymmLayout:
         t, k, h, i = self.num_max_tokens_per_rank, self.num_topk, self.hidden, self.intermediate
         p, b = self.num_pool_tokens, self.num_max_pool_blocks
         return [
-            # Workspace: zeroed between calls in one memset of [workspace_begin, workspace_end).
+            # Workspace, zeroed once at allocation. Each call's kernel zeroes the counters it used after the combine
+            # barrier (combine/clean.cuh), so the next call starts clean without a host memset; grid-sync and NVLink
+            # barrier words reset themselves, src_token_topk_idx and pool_src_metadata are rewritten for every row.
             ("workspace", "workspace_header", "uint32", (WORKSPACE_HEADER_WORDS,)),
             ("workspace", "expert_send_count", "uint32", (e,)),
             ("workspace", "expert_recv_count", "uint32", (e_local, r)),

@@ -1,4 +1,13 @@
-"""Python model of the device wave scheduler; the CUDA scheduler mirrors `iterate_sm` line for line.
+"""Python model of the fused kernel's wave scheduler (DESIGN section 5: waves of experts, L1 then L2, N-major L2
+at large loads): which tiles each SM computes, in which order, and why that order cannot deadlock; and the pool
+layout every kernel shares (`pool_offsets`, `num_pool_blocks`).
+
+No device code runs this wave schedule yet. What exists on the device: components/gemm/tile_scheduler.cuh, the
+standalone GEMM's tile order (expert-major, bands of band_m m-blocks, n-block-major inside a band), and
+assembler/expert_ffn_scheduler.cuh, the expert-FFN unit kernel's sequence (every L1 tile in that order, then every
+L2 tile), which is this model's order for one wave of all local experts with M-major L2 when band_m = 1; no test
+compares them. The fused kernel's device scheduler (the next issue) is what will have to match this model tile by
+tile (DESIGN section 5c), and `iterate_sm` is written the way that scheduler will walk (no global list).
 
 Global task sequence: the local experts are cut into waves of `num_experts_per_wave`; for wave w (experts
 [w*d, (w+1)*d)), first every L1 task of the wave (expert-major, then m-block, then n-block), then every L2 task of
