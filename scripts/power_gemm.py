@@ -19,13 +19,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from megamoe import bench
-from megamoe.bench import GEMM_CASES
+from megamoe.bench.gemm import GEMM_CASES, cublas_blockwise
+from megamoe.bench.timing import graphed
 from megamoe.kernels import gemm
+from megamoe.testing.gemm import GemmProblem, make_problem, run_problem
 from sweep_gemm import configs
 
 
-def _cublas_dense_fp8(problem: gemm.GemmProblem):
+def _cublas_dense_fp8(problem: GemmProblem):
     """torch._scaled_mm per group with one scale per tensor: cuBLAS's dense FP8 GEMM (no promotion)."""
     one = torch.ones((), dtype=torch.float32, device="cuda")
     calls = [(problem.a[problem.rows(e)], problem.b[e].t()) for e in range(problem.config.num_experts)]
@@ -79,15 +80,15 @@ def main() -> None:
         case = GEMM_CASES[index]
         flops = 2.0 * case.num_groups * case.rows * case.n * case.k
         variants = configs(index, args.knobs)
-        problem = gemm.make_problem(variants[0], [case.rows] * case.num_groups, small_int=False)
+        problem = make_problem(variants[0], [case.rows] * case.num_groups, small_int=False)
         d = torch.empty(problem.num_pool_rows, case.n, dtype=torch.bfloat16, device="cuda")
         runners = {}
         for knob, config in zip(args.knobs, variants):
-            runners[knob or "default"] = bench.graphed(lambda p=replace(problem, config=config): gemm.run_problem(p, d))
-        runners["feed_only"] = bench.graphed(
-            lambda p=replace(problem, config=replace(variants[0], feed_only=True)): gemm.run_problem(p, d))
-        runners["cuBLAS blockwise loop"] = bench.graphed(bench._cublas_blockwise(problem))
-        runners["cuBLAS dense FP8 loop"] = bench.graphed(_cublas_dense_fp8(problem))
+            runners[knob or "default"] = graphed(lambda p=replace(problem, config=config): run_problem(p, d))
+        runners["feed_only"] = graphed(
+            lambda p=replace(problem, config=replace(variants[0], feed_only=True)): run_problem(p, d))
+        runners["cuBLAS blockwise loop"] = graphed(cublas_blockwise(problem))
+        runners["cuBLAS dense FP8 loop"] = graphed(_cublas_dense_fp8(problem))
         for name, fn in runners.items():
             console.log(f"{case.name}: {name}")
             t0, t1, us = _sustain(fn, args.seconds)

@@ -8,12 +8,12 @@ Usage: PYTHONPATH=python python3 scripts/sweep_comm.py --shape 0 --tokens 4096 [
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-from megamoe import bench_comm as bc
+from megamoe.bench import comm as bc
+from megamoe.testing.ranks import RankContext, spawn_ranks
 
 DEFAULT_SWEEP = ("", "reduce_vecs=4", "pull_stages=3", "pull_stages=3,reduce_vecs=4", "pull_stages=4",
                  "pull_warps=8,pull_stages=4", "pull_stages=3,reduce_vecs=3")
@@ -28,23 +28,19 @@ def parse_knobs(text: str) -> dict[str, object]:
     return knobs
 
 
-def worker(rank: int, num_ranks: int, port: int, case: bc.CommCase, sweep: list[str], iters: int,
-           phases: bool) -> None:
+def worker(ranks: RankContext, case: bc.CommCase, sweep: list[str], iters: int, phases: bool) -> None:
+    """One rank (testing.ranks.spawn_ranks): every knob combination on the same buffer and inputs."""
     import torch.distributed as dist
 
     import megamoe
-    from megamoe.buffer import NO_MULTICAST_ENV
-    from megamoe.kernels import dispatch_combine_checks as dcc
+    from megamoe.testing import dispatch_combine as dcc
 
-    os.environ.update(NO_MULTICAST_ENV)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
-    cpu_group = dist.new_group(backend="gloo")
+    rank, num_ranks, cpu_group = ranks.rank, ranks.num_ranks, ranks.cpu_group
     shape, layout = case.shape, case.layout(num_ranks)
     counts = [case.tokens if r == rank else 0 for r in range(num_ranks)]
     mine = dcc.random_inputs(layout, counts, "uniform", seed=11 + rank)[rank]
     remote_rows = bc.count_remote_rows(mine.topk_idx, rank, layout.num_local_experts)
-    buf = megamoe.get_symm_buffer(dist.group.WORLD, shape.num_experts, case.tokens, shape.num_topk, shape.hidden,
+    buf = megamoe.get_symm_buffer(ranks.group, shape.num_experts, case.tokens, shape.num_topk, shape.hidden,
                                   shape.intermediate)
     dcc.load_inputs(buf, mine)
     block_m = bc.comm_block_m(case, num_ranks)
@@ -52,8 +48,8 @@ def worker(rank: int, num_ranks: int, port: int, case: bc.CommCase, sweep: list[
     for text in sweep:
         torch.cuda.synchronize()
         dist.barrier(group=cpu_group)
-        stats = dcc.bench_round_trip(buf, case.tokens, block_m=block_m, knobs=parse_knobs(text), num_warmup=10,
-                                     num_iters=iters)
+        stats = bc.bench_round_trip(buf, case.tokens, block_m=block_m, knobs=parse_knobs(text), num_warmup=10,
+                                    num_iters=iters)
         torch.cuda.synchronize()
         medians: list = [None] * num_ranks
         dist.all_gather_object(medians, stats["median_us"], group=cpu_group)
@@ -84,12 +80,11 @@ def worker(rank: int, num_ranks: int, port: int, case: bc.CommCase, sweep: list[
         sys.stdout.flush()
     buf.destroy()
     dist.barrier(group=cpu_group)
-    os._exit(0)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", type=int, default=0, help="index into bench_comm.COMM_SHAPES")
+    parser.add_argument("--shape", type=int, default=0, help="index into megamoe.bench.comm.COMM_SHAPES")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--ranks", type=int, default=2)
@@ -105,12 +100,7 @@ def main() -> None:
                                                    **parse_knobs(text)))
     if args.compile_only:
         return
-    import torch.multiprocessing as mp
-
-    from megamoe.buffer import NO_MULTICAST_ENV
-
-    os.environ.update(NO_MULTICAST_ENV)
-    mp.spawn(worker, args=(args.ranks, bc._free_port(), case, args.knobs, args.iters, args.phases), nprocs=args.ranks)
+    spawn_ranks(args.ranks, worker, case, args.knobs, args.iters, args.phases, what="sweep_comm")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from megamoe import bench
-from megamoe.bench import GEMM_CASES
+from megamoe.bench.gemm import GEMM_CASES, cublas_blockwise
+from megamoe.bench.timing import graphed, time_rounds
 from megamoe.kernels import gemm
+from megamoe.testing.gemm import make_problem, run_problem
 
 DEFAULT_KNOBS = ("", "num_stages=5")  # "" is the default config
 
@@ -42,21 +43,21 @@ def configs(index: int, knobs: list[str]) -> list[gemm.GemmConfig]:
 def sweep_case(index: int, knobs: list[str], rounds: int, iters: int, console: Console) -> None:
     case = GEMM_CASES[index]
     variants = configs(index, knobs)
-    problem = gemm.make_problem(variants[0], [case.rows] * case.num_groups, small_int=False)
+    problem = make_problem(variants[0], [case.rows] * case.num_groups, small_int=False)
     flops = 2.0 * case.num_groups * case.rows * case.n * case.k
     outputs, runners = [], {}
     for knob, config in zip(knobs, variants):
         d = torch.full((problem.num_pool_rows, case.n), float("nan"), dtype=torch.bfloat16, device="cuda")
         problem.config = config
-        gemm.run_problem(problem, d)
+        run_problem(problem, d)
         torch.cuda.synchronize()
         outputs.append(d)
-        runners[knob or "default"] = bench.graphed(lambda p=replace(problem), d=d: gemm.run_problem(p, d))
+        runners[knob or "default"] = graphed(lambda p=replace(problem), d=d: run_problem(p, d))
     problem.config = variants[0]
     mismatched = {k or "default": int((o.view(torch.int16) != outputs[0].view(torch.int16)).sum().item())
                   for k, o in zip(knobs, outputs)}
-    runners["cuBLAS blockwise loop"] = bench.graphed(bench._cublas_blockwise(problem))
-    times = bench.time_rounds(runners, rounds=rounds, iters=iters)
+    runners["cuBLAS blockwise loop"] = graphed(cublas_blockwise(problem))
+    times = time_rounds(runners, rounds=rounds, iters=iters)
     table = Table(title=f"{case.name} ({rounds} rounds x median of {iters})")
     for col in ("variant", "median us", "TFLOP/s", "min..max us", "spread", "outputs != first"):
         table.add_column(col, justify="left" if col == "variant" else "right")

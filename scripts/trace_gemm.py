@@ -10,9 +10,10 @@ from dataclasses import replace
 
 import torch
 
-from megamoe import bench
-from megamoe.bench import GEMM_CASES
+from megamoe.bench.gemm import GEMM_CASES
+from megamoe.bench.timing import graphed, time_us
 from megamoe.kernels import gemm
+from megamoe.testing.gemm import make_problem, run_problem
 from sweep_gemm import parse_knobs
 
 def configs(index: int, knobs: list[str]) -> list[gemm.GemmConfig]:
@@ -54,16 +55,16 @@ def main() -> None:
     for index in args.cases:
         case = GEMM_CASES[index]
         for config in configs(index, args.knobs):
-            problem = gemm.make_problem(config, [case.rows] * case.num_groups, small_int=False)
+            problem = make_problem(config, [case.rows] * case.num_groups, small_int=False)
             d = torch.empty(problem.num_pool_rows, case.n, dtype=torch.bfloat16, device="cuda")
             trace = torch.zeros(2, gemm.KBLOCK_TRACE_LEN, gemm.KBLOCK_TRACE_EVENTS, dtype=torch.int64,
                                 device="cuda")
             for _ in range(3):  # warm: the last run's trace is read
-                gemm.run_problem(problem, d, trace=trace)
+                run_problem(problem, d, trace=trace)
             torch.cuda.synchronize()
             summarize(f"{case.name} {config.name}", trace.cpu())
             # graphed, as `megamoe bench gemm` times it (eager launches are host-bound)
-            us = bench.time_us(bench.graphed(lambda: gemm.run_problem(problem, d)))  # noqa: B023
+            us = time_us(graphed(lambda: run_problem(problem, d)))  # noqa: B023
             print(f"  whole kernel {us:.1f} us = {2 * case.num_groups * case.rows * case.n * case.k / us / 1e6:.0f} "
                   f"TFLOP/s-equivalent")
             del problem, d

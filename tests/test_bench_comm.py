@@ -1,11 +1,9 @@
-"""`megamoe bench comm` without a GPU: argument handling, the rank count, byte accounting, targets, the table and
-JSON from fake per-rank records, the kernel variants it launches (compile tier), and the NCCL baseline's data
-movement over gloo on the CPU (2 spawned processes)."""
+"""`megamoe bench comm` (megamoe.bench.comm) without a GPU: argument handling, the rank count, byte accounting,
+targets, the table and JSON from fake per-rank records, and the kernel variants it launches (compile tier). Its
+NCCL baseline: test_bench_comm_nccl.py; its one-process-per-rank run: test_ranks.py."""
 from __future__ import annotations
 
 import json
-import socket
-from dataclasses import asdict
 
 import pytest
 
@@ -13,7 +11,8 @@ torch = pytest.importorskip("torch")
 
 from rich.console import Console  # noqa: E402
 
-from megamoe import bench, bench_comm, bench_comm_nccl, cli, heuristics  # noqa: E402
+from megamoe import bench, cli, heuristics  # noqa: E402
+from megamoe.bench import comm as bench_comm  # noqa: E402
 from megamoe.layout import SymmLayout  # noqa: E402
 
 H4096, H7168 = bench_comm.COMM_SHAPES
@@ -24,15 +23,17 @@ H4096, H7168 = bench_comm.COMM_SHAPES
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _options(*argv: str) -> dict:
+    return cli.bench_options(cli.parse_args(["bench", *argv]))
+
+
 def test_cli_defaults_and_options() -> None:
-    assert cli.bench_options(cli.parse_args(["bench", "comm"])) == {"tokens": [8, 128, 4096], "warmup": 10, "iters": 50}
-    assert cli.bench_options(cli.parse_args(["bench", "comm", "--tokens", "128,4096", "--iters", "40", "--warmup", "3"])) == {
+    assert _options("comm") == {"tokens": [8, 128, 4096], "warmup": 10, "iters": 50}
+    assert _options("comm", "--tokens", "128,4096", "--iters", "40", "--warmup", "3") == {
         "tokens": [128, 4096], "warmup": 3, "iters": 40}
-    assert cli.bench_options(cli.parse_args(["bench", "comm", "--compile-only"])) == {"tokens": [8, 128, 4096],
-                                                                           "ranks": [2, 4, 8]}
-    assert cli.bench_options(cli.parse_args(["bench", "comm", "--compile-only", "--ranks", "2", "--tokens", "8"])) == {
-        "tokens": [8], "ranks": [2]}
-    assert cli.bench_options(cli.parse_args(["bench", "gemm"])) == {}
+    assert _options("comm", "--compile-only") == {"tokens": [8, 128, 4096], "ranks": [2, 4, 8]}
+    assert _options("comm", "--compile-only", "--ranks", "2", "--tokens", "8") == {"tokens": [8], "ranks": [2]}
+    assert _options("gemm") == {}
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -127,8 +128,9 @@ def test_targets() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _record(remote_rows: int, eager: float, graphed: float | None, ours: float, *, captured: bool = True,
-            host_bound: float = 0.0) -> dict:
+def fake_record(remote_rows: int, eager: float, graphed: float | None, ours: float, *, captured: bool = True,
+                host_bound: float = 0.0) -> dict:
+    """One rank's record of one case, as _comm_case_on_rank returns it (also the harness tests' fake case)."""
     return {
         "remote_rows": remote_rows,
         "nccl_eager": {"round_trip_us": eager, "dispatch_us": eager * 0.6, "combine_us": eager * 0.3},
@@ -143,8 +145,9 @@ def _record(remote_rows: int, eager: float, graphed: float | None, ours: float, 
 def test_assemble_table_and_json(tmp_path) -> None:
     cases = [bench_comm.CommCase(H4096, 128), bench_comm.CommCase(H7168, 4096)]
     records = [  # [rank][case]
-        [_record(380, 106.0, 60.0, 35.0), _record(16390, 3000.0, 2000.0, 1200.0)],
-        [_record(388, 104.0, 61.0, 38.5), _record(16378, 3100.0, 2100.0, 1190.0, captured=False, host_bound=1.0)],
+        [fake_record(380, 106.0, 60.0, 35.0), fake_record(16390, 3000.0, 2000.0, 1200.0)],
+        [fake_record(388, 104.0, 61.0, 38.5),
+         fake_record(16378, 3100.0, 2100.0, 1190.0, captured=False, host_bound=1.0)],
     ]
     results = bench_comm.assemble_comm_results(cases, records, 2, device="NVIDIA H200", warmup=10, iters=50)
     small, large = results
@@ -176,7 +179,7 @@ def test_assemble_table_and_json(tmp_path) -> None:
     assert "4.77" in text  # remote MB per direction of the first case: 384 x (4228 + 8192) B
 
     # JSON the way main writes it
-    payload = {"bench": "comm", "formula": bench_comm.comm_formula(results), "results": [asdict(r) for r in results]}
+    payload = {"bench": "comm", "formula": bench_comm.comm_formula(results), "results": [r.as_json() for r in results]}
     path = tmp_path / "comm.json"
     path.write_text(json.dumps(payload, indent=1))
     back = json.loads(path.read_text())
@@ -190,7 +193,7 @@ def test_variant_rows() -> None:
     case = bench_comm.CommCase(H4096, 128)
     recs = []
     for rank in range(2):
-        rec = _record(384, 100.0, 60.0, 36.0 + rank)
+        rec = fake_record(384, 100.0, 60.0, 36.0 + rank)
         rec["ours_legacy"] = dict(rec["ours"], median_us=46.0 + rank)
         rec["ours_fused_pull"] = dict(rec["ours"], median_us=39.5)
         recs.append([rec])
@@ -204,7 +207,7 @@ def test_variant_rows() -> None:
 
 def test_missed_target_and_missing_rank() -> None:
     case = bench_comm.CommCase(H7168, 128)
-    records = [[_record(512, 100.0, 70.0, 65.0)], [_record(512, 100.0, 70.0, 50.0)]]
+    records = [[fake_record(512, 100.0, 70.0, 65.0)], [fake_record(512, 100.0, 70.0, 50.0)]]
     (result,) = bench_comm.assemble_comm_results([case], records, 2)
     assert result.measurements[2].round_trip_us == 65.0 and result.measurements[2].met is False
     console = Console(record=True, width=250)
@@ -246,99 +249,3 @@ def test_two_rank_variants_compile_clean() -> None:
     assert len(results) == 6 * len(bench_comm.COMM_VARIANTS)
     for result in results:
         assert checks.violations(result) == [], result.ptxas_log
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The NCCL baseline's data movement, over gloo on the CPU
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _gloo_worker(rank: int, port: int, results) -> None:
-    import traceback
-
-    import torch.distributed as dist
-
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        from megamoe.kernels import dispatch_combine_checks as dcc
-
-        layout = SymmLayout.create(2, 16, 64, 6, 256, 128)
-        counts = [[37, 0], [0, 64]][rank]
-        mine = dcc.random_inputs(layout, counts, "uniform", seed=rank)[rank]
-        baseline = bench_comm_nccl.NcclRoundTrip(mine.x, mine.x_sf, mine.topk_idx, mine.topk_weights, 2,
-                                                 layout.num_local_experts, dist.group.WORLD)
-        error = baseline.check()
-        order, recv, in_splits, out_splits = baseline.dispatch(fixed=True)
-        # the rows that arrive carry the expert ids of this rank's experts only
-        expert_ids = recv[:, -4:].contiguous().view(torch.int32).flatten()
-        owned = bool(((expert_ids // layout.num_local_experts) == rank).all())
-        remote = bench_comm.count_remote_rows(mine.topk_idx, rank, layout.num_local_experts)
-        results.put((rank, error, in_splits, out_splits, owned, remote))
-        dist.barrier()
-    except Exception:
-        results.put((rank, traceback.format_exc(), None, None, False, None))
-
-
-def test_nccl_baseline_moves_the_right_rows_over_gloo() -> None:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_worker, args=(rank, port, results), daemon=True) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        got = dict((r[0], r[1:]) for r in (results.get(timeout=120) for _ in range(2)))
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-    for rank in range(2):
-        error, in_splits, out_splits, owned, remote = got[rank]
-        assert error is None, error
-        assert owned
-        assert sum(in_splits) == [37, 64][rank] * 6 and in_splits[1 - rank] == remote
-    # what rank 0 sends rank 1 is what rank 1 receives from rank 0, and back
-    assert got[0][1][1] == got[1][2][0] and got[1][1][0] == got[0][2][1]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The one-process-per-rank harness (spawn, gather on rank 0, report), over gloo with fake timings
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _fake_case(case, index, plan, rank, num_ranks, group, cpu_group) -> dict:
-    import torch.distributed as dist
-
-    dist.barrier(group=cpu_group)
-    return _record(100 * (index + 1) + rank, 100.0 + rank, 50.0, 30.0 + index + rank)
-
-
-def _failing_case(case, index, plan, rank, num_ranks, group, cpu_group) -> dict:
-    if rank == 1:
-        raise RuntimeError("rank 1 broke")
-    import torch.distributed as dist
-
-    dist.barrier(group=cpu_group)  # waits for rank 1 forever: the harness must kill it
-    return _record(1, 1.0, 1.0, 1.0)
-
-
-def test_harness_gathers_on_rank_zero() -> None:
-    plan = bench_comm.CommPlan(tuple(bench_comm.comm_cases([8, 128], [H4096])), warmup=2, iters=3)
-    results = bench_comm.spawn_comm_ranks(2, plan, backend="gloo", case_fn=_fake_case, timeout_s=120)
-    assert [r.case for r in results] == ["H4096 topk6 E256 T=8", "H4096 topk6 E256 T=128"]
-    assert results[0].remote_rows == 100.5 and results[1].remote_rows == 200.5
-    assert results[1].measurements[0].per_rank_us == [100.0, 101.0]
-    assert results[1].measurements[2].round_trip_us == 32.0 and results[1].measurements[2].met is True
-    assert results[0].device == "cpu" and results[0].iters == 3 and results[0].num_ranks == 2
-
-
-def test_harness_reports_a_failed_rank() -> None:
-    plan = bench_comm.CommPlan(tuple(bench_comm.comm_cases([8], [H4096])), warmup=1, iters=1)
-    with pytest.raises(RuntimeError, match="rank 1 broke") as info:
-        bench_comm.spawn_comm_ranks(2, plan, backend="gloo", case_fn=_failing_case, timeout_s=120, grace_s=3)
-    assert "still running 3 s after a failure" in str(info.value) or "rank 0" in str(info.value)

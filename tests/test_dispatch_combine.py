@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 from megamoe.jit import checks  # noqa: E402
 from megamoe.kernels import dispatch_combine as dc  # noqa: E402
-from megamoe.kernels import dispatch_combine_checks as dcc  # noqa: E402
+from megamoe.testing import dispatch_combine as dcc  # noqa: E402
 from megamoe.layout import SymmLayout  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -279,7 +279,7 @@ def test_back_to_back_calls() -> None:
 _HANG_CHILD = """
 import torch, megamoe
 from megamoe.kernels import dispatch_combine as dc
-from megamoe.kernels import dispatch_combine_checks as dcc
+from megamoe.testing import dispatch_combine as dcc
 from megamoe.jit.diagnostics import timeout_records
 buf = megamoe.get_symm_buffer(None, 8, 256, 4, 512, 128)
 t = dcc.load_inputs(buf, dcc.random_inputs(buf.layout, [64], "uniform", 0)[0])

@@ -1,5 +1,5 @@
-"""multigpu tier: dispatch and combine across 2 ranks, one process per GPU (torch.multiprocessing spawn,
-torch.distributed NCCL on localhost, torch symmetric memory), through the unit-test kernel
+"""multigpu tier: dispatch and combine across 2 ranks, one process per GPU (megamoe.testing.ranks: spawned
+processes, torch.distributed NCCL on localhost, torch symmetric memory), through the unit-test kernel
 (megamoe.kernels.dispatch_combine).
 
 Every rank generates every rank's inputs from one shared seed, so it knows exactly what each of its local
@@ -13,13 +13,8 @@ On every visible GPU (2, 4 or 8 ranks; the issue of 4 and 8 GPUs): the seed's sh
 """
 from __future__ import annotations
 
-import os
-import queue as queue_module
 import random
-import socket
 import time
-import traceback
-import warnings
 from typing import Any
 
 import pytest
@@ -31,7 +26,6 @@ pytestmark = pytest.mark.multigpu
 NUM_RANKS = 2
 # (ranks, experts, T_max, topk, hidden, intermediate); compiled by the compile tier of test_dispatch_combine.py
 SHAPE = (NUM_RANKS, 8, 256, 4, 512, 128)
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TIMEOUT_S = 2.0  # device barrier timeout of the timeout scenario
 # The seed's model shapes: name -> (experts, hidden, intermediate, topk); buffers sized for SEED_T_MAX tokens per rank
 SEED_SHAPES = {"dsv4_flash": (256, 4096, 2048, 6), "dsv4_pro": (384, 7168, 3072, 6)}
@@ -60,7 +54,7 @@ def _knobs(preset: str | None) -> dict:
 
 
 def _scenario_exact(group: Any, bulk: bool, preset: str | None = None) -> list[str]:
-    from megamoe.kernels import dispatch_combine_checks as dcc
+    from megamoe.testing import dispatch_combine as dcc
 
     buf = _buffer(group)
     knobs = _knobs(preset)
@@ -88,7 +82,7 @@ def _scenario_exact(group: Any, bulk: bool, preset: str | None = None) -> list[s
 def _scenario_back_to_back(group: Any, num_calls: int) -> list[str]:
     """Calls with changing inputs, token counts, routings and BLOCK_M, no host synchronization in between."""
     from megamoe.kernels import dispatch_combine as dc
-    from megamoe.kernels import dispatch_combine_checks as dcc
+    from megamoe.testing import dispatch_combine as dcc
 
     buf = _buffer(group)
     rng = random.Random(4321)  # same sequence on every rank
@@ -140,7 +134,7 @@ def _scenario_seed_shapes(group: Any, shape: str) -> list[str]:
     """One buffer of the seed's shape on every rank; every token count on all ranks at once, then each rank a
     different one, uniform routing; exact checks as in _scenario_exact."""
     import megamoe
-    from megamoe.kernels import dispatch_combine_checks as dcc
+    from megamoe.testing import dispatch_combine as dcc
 
     experts, hidden, inter, topk = SEED_SHAPES[shape]
     buf = megamoe.get_symm_buffer(group, experts, SEED_T_MAX, topk, hidden, inter)
@@ -165,7 +159,7 @@ def _scenario_peer_never_arrives(group: Any, release: Any) -> list[str]:
     """Rank 1 skips its launch; rank 0 must time out at the dispatch barrier, report and trap."""
     from megamoe.jit.diagnostics import timeout_records
     from megamoe.kernels import dispatch_combine as dc
-    from megamoe.kernels import dispatch_combine_checks as dcc
+    from megamoe.testing import dispatch_combine as dcc
 
     buf = _buffer(group)
     # NOTES: after the trap, freeing symmetric memory raises inside a destructor (std::terminate) before this
@@ -208,42 +202,15 @@ _SCENARIOS = {"exact": _scenario_exact, "back_to_back": _scenario_back_to_back,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Process harness
+# Process harness (megamoe.testing.ranks)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _worker(rank: int, num_ranks: int, port: int, scenario: str, kwargs: dict, results: Any,
-            release: Any) -> None:
-    os.environ.update(NO_MULTICAST_ENV)  # before any NCCL / symmetric-memory initialization (DESIGN 6)
-    try:
-        import torch.distributed as dist
-
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
-        group = dist.group.WORLD
-        import torch.distributed._symmetric_memory as symm_mem
-
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch, a no-op since
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                symm_mem.enable_symm_mem_for_group(group.group_name)
-        if scenario == "peer_never_arrives":
-            kwargs = dict(kwargs, release=release)
-        errors = _SCENARIOS[scenario](group, **kwargs)
-    except BaseException:
-        errors = [f"rank {rank} raised:\n{traceback.format_exc()}"]
-    # One report per rank. The scenarios end with buf.destroy() (synchronize + barrier), so no peer still reads
-    # this rank's memory; leave without interpreter teardown (a trapped context cannot shut down cleanly).
-    results.put((rank, errors))
-    results.close()
-    results.join_thread()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _run_scenario(ranks: Any, scenario: str, kwargs: dict) -> list[str]:
+    """One rank: the scenario's error strings (a rank that raises fails the whole run with its traceback)."""
+    if scenario == "peer_never_arrives":
+        kwargs = dict(kwargs, release=ranks.release)
+    return _SCENARIOS[scenario](ranks.group, **kwargs)
 
 
 def _compile_variants(scenario: str, num_ranks: int, kwargs: dict) -> None:
@@ -264,43 +231,11 @@ def _compile_variants(scenario: str, num_ranks: int, kwargs: dict) -> None:
 
 def _spawn(scenario: str, timeout_s: float = 900.0, num_ranks: int = NUM_RANKS,
            **kwargs: Any) -> dict[int, list[str]]:
-    import torch.multiprocessing as mp
+    from megamoe.testing.ranks import spawn_ranks
 
     _compile_variants(scenario, num_ranks, kwargs)
-    for name, value in NO_MULTICAST_ENV.items():  # inherited by the spawned children as well
-        os.environ[name] = value
-    ctx = mp.get_context("spawn")
-    results, release = ctx.Queue(), ctx.Event()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, num_ranks, port, scenario, kwargs, results, release),
-                         daemon=True) for rank in range(num_ranks)]
-    for proc in procs:
-        proc.start()
-    outcome: dict[int, list[str]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(outcome) < num_ranks:
-            try:
-                rank, errors = results.get(timeout=1.0)
-            except queue_module.Empty:
-                missing = sorted(set(range(num_ranks)) - outcome.keys())
-                dead = [r for r in missing if not procs[r].is_alive()]
-                if dead:
-                    pytest.fail(f"{scenario}: ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) "
-                                f"without reporting")
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{scenario}: ranks {missing} did not report within {timeout_s:.0f} s (hang?)")
-                continue
-            outcome[rank] = errors
-            if scenario == "peer_never_arrives" and rank == 0:
-                release.set()
-    finally:
-        release.set()
-        for proc in procs:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-    return outcome
+    errors = spawn_ranks(num_ranks, _run_scenario, scenario, kwargs, what=scenario, timeout_s=timeout_s)
+    return dict(enumerate(errors))
 
 
 def _assert_clean(outcome: dict[int, list[str]]) -> None:

@@ -18,7 +18,8 @@ from megamoe import reference as ref  # noqa: E402
 from megamoe.jit import checks  # noqa: E402
 from megamoe.kernels import catalog  # noqa: E402
 from megamoe.kernels import expert_ffn as ef  # noqa: E402
-from megamoe.kernels import expert_ffn_checks as efc  # noqa: E402
+from megamoe.testing import expert_ffn as tef  # noqa: E402
+from megamoe.testing import expert_ffn_checks as efc  # noqa: E402
 
 from test_expert_ffn_gpu import check_exact, check_random  # noqa: E402
 
@@ -69,7 +70,7 @@ def test_source() -> None:
 @pytest.mark.parametrize("counts, topk", [(COUNTS, 4), ([0, 0, 0], 2), ([7], 2), ([1000, 3, 0, 128], 3)])
 def test_routing_with_counts(counts: list[int], topk: int) -> None:
     generator = torch.Generator().manual_seed(1)
-    idx = ef.routing_with_counts(counts, topk, generator=generator)
+    idx = tef.routing_with_counts(counts, topk, generator=generator)
     assert idx.shape[1] == topk
     assert torch.bincount(idx[idx >= 0], minlength=len(counts)).tolist() == counts
     ordered = idx.sort(dim=1).values
@@ -78,10 +79,10 @@ def test_routing_with_counts(counts: list[int], topk: int) -> None:
 
 
 def _problem(block_m: int, small_int: bool, clamp: bool, fast_math: bool, seed: int = 3,
-             debug: bool | None = None) -> ef.FfnProblem:
+             debug: bool | None = None) -> tef.FfnProblem:
     debug = small_int if debug is None else debug
     config = ef.ExpertFfnConfig(block_m, 256, 256, len(COUNTS), clamp, fast_math, debug_l1_acc=debug)
-    return ef.make_problem(config, COUNTS, small_int=small_int, activation_clamp="auto" if clamp else None,
+    return tef.make_problem(config, COUNTS, small_int=small_int, activation_clamp="auto" if clamp else None,
                            seed=seed, device="cpu")
 
 
@@ -101,7 +102,7 @@ def test_checks_accept_the_reference(block_m: int, small_int: bool, clamp: bool,
     assert report.codes.steps[1:] == [0, 0] and report.out_mismatches == 0 and report.out_rel_l2 == 0.0
 
 
-def _emulate(problem: ef.FfnProblem, noise: float, seed: int = 0) -> ef.FfnOutputs:
+def _emulate(problem: tef.FfnProblem, noise: float, seed: int = 0) -> ef.FfnOutputs:
     """A kernel whose L1 accumulators carry Gaussian errors of `noise` x their RMS (the tensor cores' accumulation
     error), everything after them exact (debug variants: the noisy accumulators are written too)."""
     generator = torch.Generator().manual_seed(seed)
@@ -157,7 +158,7 @@ def test_epilogue_check_catches_what_accumulation_noise_hides() -> None:
     check_random(report, False)
 
 
-def _recompute_out(p: ef.FfnProblem, o: ef.FfnOutputs, expert: int) -> None:
+def _recompute_out(p: tef.FfnProblem, o: ef.FfnOutputs, expert: int) -> None:
     """What the L2 GEMM makes of (corrupted) activations: the corruption must be caught on the activations."""
     rows = p.rows(expert)
     sf = o.l2_acts_sf[:, rows].t().contiguous()
@@ -166,12 +167,12 @@ def _recompute_out(p: ef.FfnProblem, o: ef.FfnOutputs, expert: int) -> None:
 
 
 def _corruptions() -> dict:
-    def swap_chunks(p: ef.FfnProblem, o: ef.FfnOutputs) -> None:
+    def swap_chunks(p: tef.FfnProblem, o: ef.FfnOutputs) -> None:
         row = o.l2_acts.view(torch.uint8)[p.offsets[2]]
         row[:16], row[16:32] = row[16:32].clone(), row[:16].clone()
         _recompute_out(p, o, 2)
 
-    def gate_up_swap(p: ef.FfnProblem, o: ef.FfnOutputs) -> None:  # L1 epilogue reading up as gate
+    def gate_up_swap(p: tef.FfnProblem, o: ef.FfnOutputs) -> None:  # L1 epilogue reading up as gate
         inter, rows = p.reference.experts[4], p.rows(4)
         i = p.config.intermediate
         h = torch.cat([inter.l1_acc[:, i:], inter.l1_acc[:, :i]], dim=1)
@@ -180,31 +181,31 @@ def _corruptions() -> dict:
         o.l2_acts_sf[:, rows] = sf.t()
         _recompute_out(p, o, 4)
 
-    def sf_doubled(p: ef.FfnProblem, o: ef.FfnOutputs) -> None:
+    def sf_doubled(p: tef.FfnProblem, o: ef.FfnOutputs) -> None:
         o.l2_acts_sf[1, p.offsets[5] + 3] *= 2
         _recompute_out(p, o, 5)
 
-    def padding_out(p: ef.FfnProblem, o: ef.FfnOutputs) -> None:
+    def padding_out(p: tef.FfnProblem, o: ef.FfnOutputs) -> None:
         o.out[p.offsets[3] + 5] = 0  # expert 3 has 5 rows: row 5 of its block is padding
 
-    def padding_act_nonzero(p: ef.FfnProblem, o: ef.FfnOutputs) -> None:
+    def padding_act_nonzero(p: tef.FfnProblem, o: ef.FfnOutputs) -> None:
         o.l2_acts.view(torch.uint8)[p.offsets[1] + 1, 7] = 1
 
-    def spare_block_written(p: ef.FfnProblem, o: ef.FfnOutputs) -> None:
+    def spare_block_written(p: tef.FfnProblem, o: ef.FfnOutputs) -> None:
         o.l2_acts_sf[0, p.used_rows] = 0.0
 
-    def counter_short(p: ef.FfnProblem, o: ef.FfnOutputs) -> None:
+    def counter_short(p: tef.FfnProblem, o: ef.FfnOutputs) -> None:
         o.l1_done_count[0] -= 1
 
-    def l1_acc_ulp(p: ef.FfnProblem, o: ef.FfnOutputs) -> None:
+    def l1_acc_ulp(p: tef.FfnProblem, o: ef.FfnOutputs) -> None:
         assert o.l1_acc is not None
         o.l1_acc.view(torch.int32)[p.offsets[4] + 2, 9] += 1
 
-    def out_row_shift(p: ef.FfnProblem, o: ef.FfnOutputs) -> None:
+    def out_row_shift(p: tef.FfnProblem, o: ef.FfnOutputs) -> None:
         rows = p.rows(5)
         o.out[rows] = torch.roll(o.out[rows], 1, dims=0)
 
-    def out_unwritten(p: ef.FfnProblem, o: ef.FfnOutputs) -> None:
+    def out_unwritten(p: tef.FfnProblem, o: ef.FfnOutputs) -> None:
         o.out[p.offsets[2] + 1, 100] = float("nan")
 
     return {f.__name__: f for f in (swap_chunks, gate_up_swap, sf_doubled, padding_out, padding_act_nonzero,

@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 
 from megamoe.kernels import catalog  # noqa: E402
 from megamoe.kernels import expert_ffn as ef  # noqa: E402
-from megamoe.kernels import expert_ffn_checks as efc  # noqa: E402
+from megamoe.testing import expert_ffn as tef  # noqa: E402
+from megamoe.testing import expert_ffn_checks as efc  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -108,9 +109,9 @@ def check_random(report: efc.FfnReport, fast_math: bool) -> None:
         check_epilogue(report.own_codes, fast_math)
 
 
-def _run(problem: ef.FfnProblem, num_blocks: int | None = None) -> ef.FfnOutputs:
+def _run(problem: tef.FfnProblem, num_blocks: int | None = None) -> ef.FfnOutputs:
     outputs = ef.new_outputs(problem.config, problem.num_pool_rows)
-    ef.run_problem(problem, outputs, num_blocks=num_blocks)
+    tef.run_problem(problem, outputs, num_blocks=num_blocks)
     torch.cuda.synchronize()
     return outputs
 
@@ -118,7 +119,7 @@ def _run(problem: ef.FfnProblem, num_blocks: int | None = None) -> ef.FfnOutputs
 @pytest.mark.parametrize("config", catalog.FFN_EXACT_CONFIGS, ids=lambda c: c.name)
 def test_expert_ffn_small_int(config: ef.ExpertFfnConfig) -> None:
     seed = _seed()
-    problem = ef.make_problem(config, catalog.FFN_EXACT_COUNTS, small_int=True,
+    problem = tef.make_problem(config, catalog.FFN_EXACT_COUNTS, small_int=True,
                               activation_clamp="auto" if config.clamp else None, seed=seed)
     # The test must be able to catch a single weight scale per L1 tile (DESIGN section 4)
     w1_sf = problem.inputs.w1_sf
@@ -129,14 +130,14 @@ def test_expert_ffn_small_int(config: ef.ExpertFfnConfig) -> None:
 
 
 # One reference case per (shape, clamp, math), shared by the BLOCK_M variants that follow it in the list.
-_case_cache: dict[tuple, ef.FfnCase] = {}
+_case_cache: dict[tuple, tef.FfnCase] = {}
 
 
-def _random_case(config: ef.ExpertFfnConfig) -> ef.FfnCase:
+def _random_case(config: ef.ExpertFfnConfig) -> tef.FfnCase:
     key = (config.hidden, config.intermediate, config.clamp, config.fast_math)
     if key not in _case_cache:
         _case_cache.clear()
-        _case_cache[key] = ef.make_case(config.hidden, config.intermediate, catalog.FFN_RANDOM_COUNTS,
+        _case_cache[key] = tef.make_case(config.hidden, config.intermediate, catalog.FFN_RANDOM_COUNTS,
                                         small_int=False, fast_math=config.fast_math,
                                         activation_clamp="auto" if config.clamp else None, seed=_seed(),
                                         device="cuda")
@@ -146,7 +147,7 @@ def _random_case(config: ef.ExpertFfnConfig) -> ef.FfnCase:
 @pytest.mark.parametrize("config", catalog.FFN_RANDOM_CONFIGS, ids=lambda c: c.name)
 def test_expert_ffn_random(config: ef.ExpertFfnConfig) -> None:
     case = _random_case(config)
-    problem = ef.pack_problem(config, case)
+    problem = tef.pack_problem(config, case)
     report = efc.compare(problem, _run(problem))
     print(f"\n{config.name} seed {case.seed} clamp {problem.activation_clamp}: {report.summary()}")
     check_random(report, config.fast_math)
@@ -158,7 +159,7 @@ def test_expert_ffn_epilogue_random(config: ef.ExpertFfnConfig) -> None:
     the kernel's own L1 accumulators must give the kernel's codes and SFs to within SwiGLU's ulps (check_epilogue):
     the epilogue never moves a code by more than one step; what moves codes further is the GEMM's accumulation."""
     seed = _seed()
-    problem = ef.make_problem(config, catalog.FFN_EXACT_COUNTS, small_int=False,
+    problem = tef.make_problem(config, catalog.FFN_EXACT_COUNTS, small_int=False,
                               activation_clamp="auto" if config.clamp else None, seed=seed)
     report = efc.compare(problem, _run(problem))
     print(f"\n{config.name} seed {seed} clamp {problem.activation_clamp}: {report.summary()}")
@@ -183,7 +184,7 @@ def test_expert_ffn_fewer_ctas() -> None:
     publish (the flush before L2 work), with a few the ring's phases cross L1 -> L2. The result must not depend on
     the grid: bit-identical to the full grid."""
     config = _exact_config(64, clamp=False, fast_math=False)
-    problem = ef.make_problem(config, catalog.FFN_EXACT_COUNTS, small_int=True, seed=_seed())
+    problem = tef.make_problem(config, catalog.FFN_EXACT_COUNTS, small_int=True, seed=_seed())
     full = _run(problem)
     check_exact(efc.compare(problem, full), config.fast_math)
     for num_blocks in (1, 2, 5):
@@ -194,11 +195,11 @@ def test_expert_ffn_back_to_back() -> None:
     """Many launches in a row, each into freshly poisoned outputs: an L2 tile that read its activations before
     their publication would see the poison (or a previous run's values are never there to see). All identical."""
     config = _exact_config(128, clamp=True, fast_math=True)
-    problem = ef.make_problem(config, catalog.FFN_EXACT_COUNTS, small_int=True, activation_clamp="auto",
+    problem = tef.make_problem(config, catalog.FFN_EXACT_COUNTS, small_int=True, activation_clamp="auto",
                               seed=_seed())
     runs = [ef.new_outputs(config, problem.num_pool_rows) for _ in range(30)]
     for outputs in runs:
-        ef.run_problem(problem, outputs)
+        tef.run_problem(problem, outputs)
     torch.cuda.synchronize()
     check_exact(efc.compare(problem, runs[0]), config.fast_math)
     for i, outputs in enumerate(runs[1:], 1):

@@ -10,16 +10,17 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from megamoe.kernels import catalog, gemm  # noqa: E402
+from megamoe.testing.gemm import GemmProblem, make_problem, run_problem  # noqa: E402
 from megamoe.reference import rel_l2  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
-def _poisoned_output(problem: gemm.GemmProblem) -> torch.Tensor:
+def _poisoned_output(problem: GemmProblem) -> torch.Tensor:
     return torch.full((problem.num_pool_rows, problem.config.n), float("nan"), dtype=torch.bfloat16, device="cuda")
 
 
-def _check_padding_untouched(problem: gemm.GemmProblem, d: torch.Tensor) -> None:
+def _check_padding_untouched(problem: GemmProblem, d: torch.Tensor) -> None:
     valid = torch.zeros(problem.num_pool_rows, dtype=torch.bool, device="cuda")
     for e in range(problem.config.num_experts):
         valid[problem.rows(e)] = True
@@ -29,12 +30,12 @@ def _check_padding_untouched(problem: gemm.GemmProblem, d: torch.Tensor) -> None
 @pytest.mark.parametrize("config", catalog.GEMM_EXACT_CONFIGS + catalog.GEMM_SCHEDULE_CONFIGS, ids=lambda c: c.name)
 def test_gemm_bit_exact(config: gemm.GemmConfig) -> None:
     for _ in range(2):  # fresh inputs each run
-        problem = gemm.make_problem(config, catalog.GEMM_EXACT_COUNTS, small_int=True)
+        problem = make_problem(config, catalog.GEMM_EXACT_COUNTS, small_int=True)
         if config.mode == "l1":  # the test must be able to catch a single scale per tile
             gate, up = problem.b_sf[:, : config.n // 256], problem.b_sf[:, config.n // 256:]
             assert (gate != up).float().mean() > 0.5
         d = _poisoned_output(problem)
-        gemm.run_problem(problem, d)
+        run_problem(problem, d)
         torch.cuda.synchronize()
         for e, count in enumerate(problem.counts):
             expected = problem.reference(e).to(torch.bfloat16)
@@ -61,9 +62,9 @@ MAX_FLIP_FRACTION = 0.10
 
 @pytest.mark.parametrize("config", catalog.GEMM_RANDOM_CONFIGS, ids=lambda c: c.name)
 def test_gemm_random(config: gemm.GemmConfig) -> None:
-    problem = gemm.make_problem(config, catalog.GEMM_RANDOM_COUNTS, small_int=False)
+    problem = make_problem(config, catalog.GEMM_RANDOM_COUNTS, small_int=False)
     d = _poisoned_output(problem)
-    gemm.run_problem(problem, d)
+    run_problem(problem, d)
     torch.cuda.synchronize()
     worst_rel, worst_excess, flips, total = 0.0, 0.0, 0, 0
     for e, count in enumerate(problem.counts):
@@ -90,11 +91,11 @@ def test_gemm_random(config: gemm.GemmConfig) -> None:
 def test_gemm_repeated_calls_fewer_ctas() -> None:
     """Few CTAs walk many tiles: the ring's phases across tiles and experts must stay right."""
     config = catalog.GEMM_EXACT_CONFIGS[-1]
-    problem = gemm.make_problem(config, catalog.GEMM_EXACT_COUNTS, small_int=True)
+    problem = make_problem(config, catalog.GEMM_EXACT_COUNTS, small_int=True)
     expected = [problem.reference(e).to(torch.bfloat16) for e in range(config.num_experts)]
     for num_blocks in (1, 3, 7):
         d = _poisoned_output(problem)
-        gemm.run_problem(problem, d, num_blocks=num_blocks)
+        run_problem(problem, d, num_blocks=num_blocks)
         torch.cuda.synchronize()
         for e in range(config.num_experts):
             assert torch.equal(d[problem.rows(e)].view(torch.int16), expected[e].view(torch.int16)), (num_blocks, e)

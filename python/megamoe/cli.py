@@ -35,9 +35,9 @@ def parse_int_list(text: str) -> list[int]:
 
 
 def bench_options(args: argparse.Namespace) -> dict:
-    """The keyword arguments of bench.main / bench_comm.precompile_comm from the `bench` arguments (ValueError
+    """The keyword arguments of bench.main / bench.comm.precompile_comm from the `bench` arguments (ValueError
     when they do not fit the bench)."""
-    from megamoe import bench_comm
+    from megamoe.bench import comm as bench_comm
 
     given = [f"--{name.replace('_', '-')}" for name in COMM_ONLY_OPTIONS if getattr(args, name) not in (None, False)]
     if args.name != "comm":
@@ -67,9 +67,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.compile_only:
         from rich.console import Console
 
-        from megamoe import bench_comm
+        from megamoe.bench.comm import precompile_comm
 
-        bench_comm.precompile_comm(console=Console(), **options)
+        precompile_comm(console=Console(), **options)
         return 0
     bench.main(args.name, args.json, **options)
     return 0
@@ -84,6 +84,8 @@ def _cmd_jit(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The parsed command line (its `fn` runs the command)."""
+    from megamoe.bench import BENCHES
+
     parser = argparse.ArgumentParser(prog="megamoe", description="fused expert-parallel FP8 MoE for SM90")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="GPU, SMs, toolchain and JIT cache").set_defaults(fn=_cmd_info)
@@ -99,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     demo.set_defaults(fn=_cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks against cuBLAS / NCCL baselines (GPU)")
-    bench.add_argument("name", choices=["gemm", "comm", "ffn"])
+    bench.add_argument("name", choices=list(BENCHES))
     bench.add_argument("--json", default=None, help="where to write the results (default megamoe-bench-NAME.json)")
     comm = bench.add_argument_group("comm", "dispatch + combine round trip vs NCCL; one process per visible GPU")
     comm.add_argument("--tokens", default=None, help="tokens per rank, comma-separated (default 8,128,4096)")

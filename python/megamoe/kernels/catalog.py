@@ -56,7 +56,7 @@ FFN_RANDOM_CONFIGS = [
     for hidden, intermediate in FFN_SHAPES for clamp in (False, True) for fast in (False, True)
     for block_m in (32, 64, 128)
 ]
-# `megamoe bench ffn` (bench_ffn.FFN_CASES): 32 experts, H 4096, I 2048, fast math, no clamp; decode-like 24 rows per
+# `megamoe bench ffn` (bench.ffn.FFN_CASES): 32 experts, H 4096, I 2048, fast math, no clamp; decode-like 24 rows per
 # expert (BLOCK_M 64) and prefill-like 1536 (BLOCK_M 128)
 FFN_BENCH_CONFIGS = [
     expert_ffn.ExpertFfnConfig(64, 4096, 2048, 32, clamp=False, fast_math=True),

@@ -15,8 +15,8 @@ Kernel phases (every rank, all CTAs; barriers are common/grid_sync.cuh and commo
   (reduce_overlap, the default: each scattered row is counted at its token's source rank; a warp goes from its
   scatter (5) straight to the reduce (8), waiting per token for its rows, and 6-7 come last)
 The pool, its SF, weights and metadata stay in the symmetric buffer after the call (`SymmBuffer.view`).
-This module: the config, the source, compile and launch; the tests' and the benchmark's inputs, expectations,
-checked calls and timed round trip are in megamoe.kernels.dispatch_combine_checks.
+This module: the config, the source, compile and launch; the tests' and the benchmark's inputs, expectations and
+checked calls are in megamoe.testing.dispatch_combine, the timed round trip in megamoe.bench.comm.
 
 Every performance choice is a compile-time knob of DispatchCombineConfig (notes/dispatch_combine.md has the
 budget per phase); LEGACY_KNOBS reproduces the first version exactly, the field defaults are the fastest predicted:
@@ -100,7 +100,9 @@ def pull_stage_bytes(hidden: int) -> int:
 
 
 def combine_chunk_bytes(hidden: int) -> int:
-    """combine/reduce.cuh kChunkBytes: gcd(2 H, 1024) (as heuristics.smem_plan)."""
+    """combine/reduce.cuh kChunkBytes: gcd(2 H, 1024) B. The bulk reduce (reduce="bulk") takes a token chunk by
+    chunk through a 2-stage ring of 1D bulk loads per warp, one per valid top-k slot, and accumulates in fp32
+    registers: 1 KB = 512 BF16 = 16 floats per lane."""
     return math.gcd(2 * hidden, 1024)
 
 

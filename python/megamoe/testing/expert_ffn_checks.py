@@ -1,6 +1,6 @@
-"""Checks of the expert-FFN unit kernel (megamoe.kernels.expert_ffn): what a correct kernel writes, and how far
-given outputs are from the reference (DESIGN section 4, checks 0 and 1). Used by the gpu tier and, on simulated
-outputs, by the cpu tier."""
+"""Checks of the expert-FFN unit kernel (megamoe.kernels.expert_ffn) on a problem of megamoe.testing.expert_ffn:
+what a correct kernel writes, and how far given outputs are from the reference (DESIGN section 4, checks 0 and 1).
+Used by the gpu tier and, on simulated outputs, by the cpu tier."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from megamoe.kernels.expert_ffn import FP8_MAX, FP8_NAN_CODE, SF_EPSILON, FfnOutputs, FfnProblem, new_outputs
+from megamoe.kernels.expert_ffn import FP8_MAX, FP8_NAN_CODE, SF_EPSILON, FfnOutputs, new_outputs
+from megamoe.testing.expert_ffn import FfnProblem
 
 
 def padding_sf() -> Tensor:

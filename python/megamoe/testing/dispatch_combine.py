@@ -1,7 +1,8 @@
 """Test and benchmark support of the dispatch and combine unit kernel (megamoe.kernels.dispatch_combine): every
 rank's inputs, the exact expectations computed on the host from the inputs alone, views of the results in the
-symmetric buffer, exact comparisons, the workspace's state after a number of calls, one checked call, and the timed
-round trip. The tests (tests/test_dispatch_combine*.py) and `megamoe bench comm` share them."""
+symmetric buffer, exact comparisons, the workspace's state after a number of calls, and one checked call. The tests
+(tests/test_dispatch_combine*.py) and `megamoe bench comm` (its inputs; the timed round trip is
+megamoe.bench.comm.bench_round_trip) share them."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megamoe import scheduler
-from megamoe.kernels.dispatch_combine import config_for, run
+from megamoe.kernels.dispatch_combine import run
 from megamoe.layout import SymmLayout
 
 if TYPE_CHECKING:
@@ -174,26 +175,6 @@ def workspace_errors(buf: SymmBuffer, num_calls: int) -> list[str]:
         errors.append(f"workspace header {header[:7]} after {num_calls} calls (expected grid counter low bits 0, "
                       f"nvl counter {2 * num_calls}, signals {signal})")
     return errors
-
-
-def bench_round_trip(buf: SymmBuffer, num_tokens: int, *, block_m: int | None = None, bulk_pull: bool = True,
-                     knobs: Mapping[str, Any] | None = None, num_warmup: int = 10,
-                     num_iters: int = 100) -> dict[str, float]:
-    """Time dispatch -> trivial expert -> combine (collective: every rank calls it with the same arguments).
-    The calls run back to back, each between its own CUDA events, enqueued behind a sleep kernel long enough for
-    the host to enqueue them all (megamoe.bench.time_queued_us): GPU time, not Python launch overhead.
-    Returns {"median_us", "us_per_call" (mean), "min_us", "max_us", "host_us_per_call", "sleep_us",
-    "host_bound" (1.0: the host fell behind anyway), "block_m"}; ready for megamoe.bench to tabulate."""
-    from megamoe.bench import time_queued_us
-
-    y = torch.empty(num_tokens, buf.hidden, dtype=torch.bfloat16, device=buf.device)
-    config = config_for(buf, block_m, bulk_pull, knobs)
-    with torch.cuda.device(buf.device):
-        stats = time_queued_us(
-            lambda: run(buf, num_tokens, y, block_m=config.block_m, bulk_pull=bulk_pull, knobs=knobs,
-                        check_inputs=False),
-            warmup=num_warmup, iters=num_iters)
-    return dict(stats, us_per_call=stats["mean_us"], block_m=float(config.block_m))
 
 
 def checked_call(buf: SymmBuffer, inputs: list, block_m: int, bulk: bool = True,

@@ -1,5 +1,5 @@
 """The baseline of `megamoe bench comm`: a dispatch + combine round trip through NCCL `all_to_all_single`, the way
-a system without fused communication moves MoE rows (megamoe.bench_comm times it beside the unit kernel)."""
+a system without fused communication moves MoE rows (megamoe.bench.comm times it beside the unit kernel)."""
 from __future__ import annotations
 
 from typing import Any, Callable

@@ -1,18 +1,19 @@
 """`megamoe bench ffn`: the local expert FFN (the expert_ffn unit kernel) against the same recipe run unfused
 through cuBLAS (`torch._scaled_mm` per expert, SwiGLU and the per-64 requant in torch), one GPU. Every timed output
 is checked first against the exact reference; times are CUDA-graphed medians, set against the weight-read floor at
-the measured HBM bandwidth. The framework (timers, table cells, ceilings, `main`) is megamoe.bench's.
+the measured HBM bandwidth. Timers and ceilings: megamoe.bench.timing; records and tables: megamoe.bench.results.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from rich.table import Table
 
-from megamoe.bench import HBM_READ_TBPS, first_line, fmt, fmt_met, graphed, time_us
+from megamoe.bench.results import CaseResult, Measurement, first_line, fmt, fmt_met, results_table
+from megamoe.bench.timing import HBM_READ_TBPS, graphed, time_us
 
 FFN_TOLERANCE_REL_L2 = 3e-2  # BF16 outputs: ours vs the cuBLAS pipeline, each vs the exact reference (expert 0)
 FFN_APPROX_TOLERANCE_REL_L2 = 6e-2  # the per-128 approximation is another recipe (expected ~2% from per-64)
@@ -69,7 +70,7 @@ class FfnTarget:
 
 @dataclass(frozen=True)
 class FfnBenchCase:
-    """Every expert receives the same `rows`. BLOCK_M from the heuristics' band for `rows`; fast math, no clamp
+    """Every expert receives the same `rows`. BLOCK_M from the heuristics' bucket for `rows`; fast math, no clamp
     (the fused API's defaults)."""
 
     name: str
@@ -122,22 +123,16 @@ def ffn_kernel_configs(cases: Sequence[FfnBenchCase] = FFN_CASES) -> list[Any]:
 
 
 # Results ------------------------------------------------------------------------------------------------------
-@dataclass
-class FfnMeasurement:
-    impl: str
-    time_us: float | None
-    tflops: float | None
-    weight_gbps: float | None
+@dataclass(kw_only=True)
+class FfnMeasurement(Measurement):
     floor_ratio: float | None  # time / weight-read floor
     speedup: float | None  # cuBLAS unfused (same recipe) time / this time
     target: str = "-"
     met: bool | None = None
-    note: str = ""
 
 
-@dataclass
-class FfnCaseResult:
-    case: str
+@dataclass(kw_only=True)
+class FfnCaseResult(CaseResult[FfnMeasurement]):
     num_experts: int
     rows_per_expert: int
     hidden: int
@@ -150,27 +145,23 @@ class FfnCaseResult:
     warmup: int = 0
     iters: int = 0
     seed: int = 0
-    measurements: list[FfnMeasurement] = field(default_factory=list)
 
     @classmethod
     def of(cls, case: FfnBenchCase, **kwargs: Any) -> FfnCaseResult:
-        return cls(case.name, case.num_experts, case.rows, case.hidden, case.intermediate, case.block_m,
-                   case.flops, float(case.weight_bytes), case.floor_us, **kwargs)
+        return cls(case=case.name, num_experts=case.num_experts, rows_per_expert=case.rows, hidden=case.hidden,
+                   intermediate=case.intermediate, block_m=case.block_m, flops=case.flops,
+                   weight_bytes=float(case.weight_bytes), floor_us=case.floor_us, **kwargs)
 
     def add(self, impl: str, time_us: float | None, note: str = "", *, baseline_us: float | None = None,
             target: FfnTarget | None = None) -> FfnMeasurement:
         ok = time_us is not None and time_us > 0
-        m = FfnMeasurement(
-            impl, time_us,
-            self.flops / time_us / 1e6 if ok else None,
-            self.weight_bytes / time_us / 1e3 if ok else None,
-            time_us / self.floor_us if ok else None,
-            baseline_us / time_us if ok and baseline_us else None,
-            target.describe(self.floor_us) if target else "-",
-            target.met(time_us if ok else None, baseline_us, self.floor_us) if target else None,
-            note)
-        self.measurements.append(m)
-        return m
+        return self.record(FfnMeasurement(
+            impl=impl, time_us=time_us, **Measurement.rates(time_us, self.flops, self.weight_bytes),
+            floor_ratio=time_us / self.floor_us if ok else None,
+            speedup=baseline_us / time_us if ok and baseline_us else None,
+            target=target.describe(self.floor_us) if target else "-",
+            met=target.met(time_us if ok else None, baseline_us, self.floor_us) if target else None,
+            note=note))
 
 
 def ffn_formula(results: Sequence[FfnCaseResult]) -> str:
@@ -179,19 +170,17 @@ def ffn_formula(results: Sequence[FfnCaseResult]) -> str:
                               warmup=first.warmup if first else 0, seed=first.seed if first else 0)
 
 
+def _cells(m: FfnMeasurement) -> list[str]:
+    return [m.impl, fmt(m.time_us, ".1f"), fmt(m.tflops, ".0f"), fmt(m.weight_gbps, ".0f"), fmt(m.floor_ratio, ".2f"),
+            "n/a" if m.speedup is None else f"{m.speedup:.2f}x", m.target, fmt_met(m.met), m.note]
+
+
 def ffn_results_table(title: str, results: list[FfnCaseResult]) -> Table:
-    table = Table(title=title, caption=ffn_formula(results))
-    left = ("case", "implementation", "target", "note")
-    for col in ("case", "implementation", "time (us)", "TFLOP/s", "weight GB/s", "x of weight floor",
-                "speedup vs cuBLAS unfused", "target", "met?", "note"):
-        table.add_column(col, justify="left" if col in left else "right")
+    table = results_table(title, ("case", "implementation", "time (us)", "TFLOP/s", "weight GB/s", "x of weight floor",
+                                  "speedup vs cuBLAS unfused", "target", "met?", "note"),
+                          left=("case", "implementation", "target", "note"), caption=ffn_formula(results))
     for result in results:
-        label = f"{result.case} (floor {result.floor_us:.0f} us)"
-        for i, m in enumerate(result.measurements):
-            table.add_row(label if i == 0 else "", m.impl, fmt(m.time_us, ".1f"), fmt(m.tflops, ".0f"),
-                          fmt(m.weight_gbps, ".0f"), fmt(m.floor_ratio, ".2f"),
-                          "n/a" if m.speedup is None else f"{m.speedup:.2f}x", m.target, fmt_met(m.met), m.note)
-        table.add_section()
+        result.add_rows(table, _cells, label=f"{result.case} (floor {result.floor_us:.0f} us)")
     return table
 
 

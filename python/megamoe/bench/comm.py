@@ -1,25 +1,27 @@
 """`megamoe bench comm`: the dispatch -> trivial expert -> combine unit kernel (megamoe.kernels.dispatch_combine)
-against an NCCL all_to_all_single round trip, one process per GPU (spawned here; every visible GPU is a rank).
-`megamoe bench comm --compile-only` fills the JIT cache with every variant it launches (no GPU needed). The
-framework (timers, table cells, `main`) is megamoe.bench's.
+against an NCCL all_to_all_single round trip (megamoe.bench.comm_nccl), one process per GPU (spawned through
+megamoe.testing.ranks; every visible GPU is a rank). `megamoe bench comm --compile-only` fills the JIT cache with
+every variant it launches (no GPU needed). Timers: megamoe.bench.timing; records and tables: megamoe.bench.results.
 """
 from __future__ import annotations
 
-import os
-import queue as queue_module
-import socket
+import sys
 import time
-import traceback
-import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from megamoe.bench import first_line, fmt, fmt_met, graphed, time_queued_us, time_stages_us
-from megamoe.bench_comm_nccl import NcclRoundTrip
+from megamoe.bench.comm_nccl import NcclRoundTrip
+from megamoe.bench.results import CaseResult, first_line, fmt, fmt_met, results_table
+from megamoe.bench.timing import graphed, time_queued_us, time_stages_us
+from megamoe.testing.ranks import RankContext, RankFailure, spawn_ranks
+
+if TYPE_CHECKING:
+    from megamoe.buffer import SymmBuffer
 
 # NOTES: the NCCL baseline and our kernel never run at the same time: each is a phase of its own, between
 # torch.cuda.synchronize() and a CPU (gloo) barrier on every rank. Our persistent cooperative kernel holds every SM
@@ -242,9 +244,8 @@ class CommMeasurement:
     note: str = ""
 
 
-@dataclass
-class CommCaseResult:
-    case: str
+@dataclass(kw_only=True)
+class CommCaseResult(CaseResult[CommMeasurement]):
     num_ranks: int
     tokens_per_rank: int
     hidden: int
@@ -257,7 +258,6 @@ class CommCaseResult:
     device: str = ""
     warmup: int = 0
     iters: int = 0
-    measurements: list[CommMeasurement] = field(default_factory=list)
 
     @property
     def remote_bytes(self) -> float:
@@ -270,11 +270,9 @@ class CommCaseResult:
         round_trip = None if not times or any(t is None for t in times) else max(times)
         gbps = gbps_per_direction(self.dispatch_bytes, self.combine_bytes, round_trip)
         target = self.target if apply_target else None
-        m = CommMeasurement(impl, round_trip, gbps, times, dispatch_us, combine_us,
-                            target.describe() if target else "-", target.met(round_trip, gbps) if target else None,
-                            note)
-        self.measurements.append(m)
-        return m
+        return self.record(CommMeasurement(impl, round_trip, gbps, times, dispatch_us, combine_us,
+                                           target.describe() if target else "-",
+                                           target.met(round_trip, gbps) if target else None, note))
 
 
 def _max(values: Sequence[float | None]) -> float | None:
@@ -292,9 +290,11 @@ def assemble_comm_results(cases: Sequence[CommCase], records: Sequence[Sequence[
         recs = [records[rank][i] for rank in range(num_ranks)]
         total_rows = sum(int(r["remote_rows"]) for r in recs)
         dispatch_bytes, combine_bytes = remote_bytes_per_direction(total_rows, num_ranks, case.shape.hidden)
-        result = CommCaseResult(case.name, num_ranks, case.tokens, case.shape.hidden, case.shape.num_topk,
-                                case.shape.num_experts, total_rows / num_ranks, dispatch_bytes, combine_bytes,
-                                case.target, device, warmup, iters)
+        result = CommCaseResult(case=case.name, num_ranks=num_ranks, tokens_per_rank=case.tokens,
+                                hidden=case.shape.hidden, num_topk=case.shape.num_topk,
+                                num_experts=case.shape.num_experts, remote_rows=total_rows / num_ranks,
+                                dispatch_bytes=dispatch_bytes, combine_bytes=combine_bytes, target=case.target,
+                                device=device, warmup=warmup, iters=iters)
         eager = [r["nccl_eager"] for r in recs]
         d, c = _max([e["dispatch_us"] for e in eager]), _max([e["combine_us"] for e in eager])
         result.add("NCCL all_to_all_single, eager", [e["round_trip_us"] for e in eager],
@@ -324,23 +324,21 @@ def assemble_comm_results(cases: Sequence[CommCase], records: Sequence[Sequence[
 
 
 def comm_formula(results: Sequence[CommCaseResult]) -> str:
-    first = results[0] if results else CommCaseResult("", 0, 0, 0, 0, 0, 0, 0, 0)
-    return COMM_FORMULA.format(iters=first.iters, warmup=first.warmup, ranks=first.num_ranks)
+    first = results[0] if results else None
+    return COMM_FORMULA.format(iters=first.iters if first else 0, warmup=first.warmup if first else 0,
+                               ranks=first.num_ranks if first else 0)
 
 
 def comm_results_table(title: str, results: list[CommCaseResult]) -> Table:
-    table = Table(title=title, caption=comm_formula(results))
-    left = ("case", "implementation", "target", "note")
-    for col in ("case", "implementation", "round trip (us)", "remote MB per direction", "GB/s per direction",
-                f"% of {NVLINK_COPY_GBPS:g} GB/s", "target", "met?", "note"):
-        table.add_column(col, justify="left" if col in left else "right")
+    table = results_table(title, ("case", "implementation", "round trip (us)", "remote MB per direction",
+                                  "GB/s per direction", f"% of {NVLINK_COPY_GBPS:g} GB/s", "target", "met?", "note"),
+                          left=("case", "implementation", "target", "note"), caption=comm_formula(results))
     for result in results:
-        for i, m in enumerate(result.measurements):
-            table.add_row(result.case if i == 0 else "", m.impl, fmt(m.round_trip_us, ".1f"),
-                          format(result.remote_bytes / 1e6, ".2f"), fmt(m.gbps, ".0f"),
-                          fmt(None if m.gbps is None else 100 * m.gbps / NVLINK_COPY_GBPS, ".0f"), m.target,
-                          fmt_met(m.met), m.note)
-        table.add_section()
+        remote_mb = format(result.remote_bytes / 1e6, ".2f")
+        result.add_rows(table, lambda m, remote_mb=remote_mb: [
+            m.impl, fmt(m.round_trip_us, ".1f"), remote_mb, fmt(m.gbps, ".0f"),
+            fmt(None if m.gbps is None else 100 * m.gbps / NVLINK_COPY_GBPS, ".0f"), m.target, fmt_met(m.met),
+            m.note])
     return table
 
 
@@ -352,7 +350,27 @@ def comm_report(results: list[CommCaseResult]) -> tuple[dict[str, Any], Table]:
              "formula": comm_formula(results)}, comm_results_table(f"megamoe bench comm on {device}", results))
 
 
-# The NCCL baseline ------------------------------------------------------------------------------------------------
+# The unit kernel's round trip ------------------------------------------------------------------------------------
+def bench_round_trip(buf: SymmBuffer, num_tokens: int, *, block_m: int | None = None, bulk_pull: bool = True,
+                     knobs: Mapping[str, Any] | None = None, num_warmup: int = 10,
+                     num_iters: int = 100) -> dict[str, float]:
+    """Time dispatch -> trivial expert -> combine (collective: every rank calls it with the same arguments).
+    The calls run back to back, each between its own CUDA events, enqueued behind a sleep kernel long enough for
+    the host to enqueue them all (timing.time_queued_us): GPU time, not Python launch overhead.
+    Returns {"median_us", "us_per_call" (mean), "min_us", "max_us", "host_us_per_call", "sleep_us",
+    "host_bound" (1.0: the host fell behind anyway), "block_m"}; a record of assemble_comm_results."""
+    from megamoe.kernels.dispatch_combine import config_for, run
+
+    y = torch.empty(num_tokens, buf.hidden, dtype=torch.bfloat16, device=buf.device)
+    config = config_for(buf, block_m, bulk_pull, knobs)
+    with torch.cuda.device(buf.device):
+        stats = time_queued_us(
+            lambda: run(buf, num_tokens, y, block_m=config.block_m, bulk_pull=bulk_pull, knobs=knobs,
+                        check_inputs=False),
+            warmup=num_warmup, iters=num_iters)
+    return dict(stats, us_per_call=stats["mean_us"], block_m=float(config.block_m))
+
+
 # One process per GPU -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CommPlan:
@@ -362,51 +380,32 @@ class CommPlan:
     seed: int = 0
 
 
-def _phase_barrier(cpu_group: Any) -> None:
-    """Everything this rank launched has finished, and so has every other rank's (before the next phase)."""
-    import torch.distributed as dist
-
-    torch.cuda.synchronize()
-    if cpu_group is not None:
-        dist.barrier(group=cpu_group)
-    else:
-        dist.barrier(device_ids=[torch.cuda.current_device()])
-        torch.cuda.synchronize()
-
-
-def _all_ranks(flag: bool, cpu_group: Any) -> bool:
-    import torch.distributed as dist
-
-    device = "cpu" if cpu_group is not None else "cuda"
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=cpu_group)
-    return bool(value.item())
-
-
-def _comm_case_on_rank(case: CommCase, index: int, plan: CommPlan, rank: int, num_ranks: int, group: Any,
-                       cpu_group: Any) -> dict:
+def _comm_case_on_rank(case: CommCase, index: int, plan: CommPlan, ranks: RankContext) -> dict:
+    """One case on one rank: the NCCL baseline eager, then graphed, then every unit-kernel variant, each phase
+    between phase barriers (see the NOTES above). Returns this rank's record of the case."""
     import megamoe
-    from megamoe.kernels import dispatch_combine_checks as dcc
+    from megamoe.testing import dispatch_combine as dcc
 
+    rank, num_ranks = ranks.rank, ranks.num_ranks
     shape, layout = case.shape, case.layout(num_ranks)
     counts = [case.tokens if r == rank else 0 for r in range(num_ranks)]  # only this rank's inputs are made
     mine = dcc.random_inputs(layout, counts, "uniform", seed=plan.seed + 7919 * index + rank)[rank]
     record: dict[str, Any] = {"remote_rows": count_remote_rows(mine.topk_idx, rank, layout.num_local_experts)}
 
-    buf = megamoe.get_symm_buffer(group, shape.num_experts, case.tokens, shape.num_topk, shape.hidden,
+    buf = megamoe.get_symm_buffer(ranks.group, shape.num_experts, case.tokens, shape.num_topk, shape.hidden,
                                   shape.intermediate)
     dcc.load_inputs(buf, mine)
     staged = [t.to(buf.device) for t in (mine.x, mine.x_sf, mine.topk_idx, mine.topk_weights)]
-    baseline = NcclRoundTrip(*staged, num_ranks, layout.num_local_experts, group)
+    baseline = NcclRoundTrip(*staged, num_ranks, layout.num_local_experts, ranks.group)
     error = baseline.check()
     if error:
         raise RuntimeError(f"rank {rank} {case.name}: NCCL baseline: {error}")
-    _phase_barrier(cpu_group)
+    ranks.phase_barrier()
 
     # Phase 1: NCCL, eager (split sizes through the host)
     total, dispatch_us, _, combine_us = time_stages_us(baseline.stages(), warmup=plan.warmup, iters=plan.iters)
     record["nccl_eager"] = {"round_trip_us": total, "dispatch_us": dispatch_us, "combine_us": combine_us}
-    _phase_barrier(cpu_group)
+    ranks.phase_barrier()
 
     # Phase 2: NCCL, fixed splits, CUDA graph where the capture works (every rank must agree), else eager
     note = ""
@@ -416,151 +415,71 @@ def _comm_case_on_rank(case: CommCase, index: int, plan: CommPlan, rank: int, nu
     except Exception as exc:
         replay, note = None, f"rank {rank}: {first_line(exc)}"
     torch.cuda.synchronize()
-    captured = _all_ranks(replay is not None, cpu_group)
+    captured = ranks.all_agree(replay is not None)
     if not captured:
         replay = lambda: baseline.round_trip(fixed=True)  # noqa: E731
         note = note or "failed on another rank"
-    _phase_barrier(cpu_group)
+    ranks.phase_barrier()
     assert replay is not None
     record["nccl_graphed"] = {"graphed": captured, "note": note,
                               **time_queued_us(replay, warmup=plan.warmup, iters=plan.iters)}
     del replay
-    _phase_barrier(cpu_group)
+    ranks.phase_barrier()
 
     # Phase 3: ours, every variant on the same buffer and inputs, each in a phase of its own
     for key, preset, _ in COMM_VARIANTS:
-        record[key] = dcc.bench_round_trip(buf, case.tokens, block_m=comm_block_m(case, num_ranks),
-                                          knobs=comm_variant_knobs(preset), num_warmup=plan.warmup,
-                                          num_iters=plan.iters)
-        _phase_barrier(cpu_group)
+        record[key] = bench_round_trip(buf, case.tokens, block_m=comm_block_m(case, num_ranks),
+                                      knobs=comm_variant_knobs(preset), num_warmup=plan.warmup,
+                                      num_iters=plan.iters)
+        ranks.phase_barrier()
     buf.destroy()
     del baseline, staged
     torch.cuda.empty_cache()
     return record
 
 
-def _comm_worker(rank: int, num_ranks: int, port: int, plan: CommPlan, results: Any, backend: str = "nccl",
-                 case_fn: Callable[..., dict] | None = None) -> None:
-    """One rank: time every case (case_fn: _comm_case_on_rank), gather the records on rank 0, which assembles the
-    results; report (rank, results or None, error or None) on `results` and leave. backend="gloo" and a fake
-    case_fn run the harness on a CPU (tests)."""
-    from megamoe.buffer import NO_MULTICAST_ENV
+def _comm_rank(ranks: RankContext, plan: CommPlan, case_fn: Callable[..., dict] | None = None,
+               device_name: bool = True) -> list[CommCaseResult] | None:
+    """One rank: time every case (case_fn: _comm_case_on_rank), gather the records on rank 0, which returns the
+    assembled results (the other ranks None). A fake case_fn and device_name=False run it on a CPU (tests)."""
+    import torch.distributed as dist
 
-    os.environ.update(NO_MULTICAST_ENV)  # before any NCCL / symmetric-memory initialization (DESIGN 6)
-    payload, error = None, None
-    try:
-        import sys
-
-        import torch.distributed as dist
-
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
-        group = dist.group.WORLD
-        cpu_group: Any = group
-        if backend == "nccl":
-            import torch.distributed._symmetric_memory as symm_mem
-
-            if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch, a no-op since
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    symm_mem.enable_symm_mem_for_group(group.group_name)
-            try:
-                cpu_group = dist.new_group(backend="gloo")  # barriers and gathers that launch nothing on the GPU
-            except Exception:
-                cpu_group = None
-        case_fn = case_fn or _comm_case_on_rank
-        records = []
-        for index, case in enumerate(plan.cases):
-            started = time.perf_counter()
-            records.append(case_fn(case, index, plan, rank, num_ranks, group, cpu_group))
-            if rank == 0:
-                print(f"megamoe bench comm: {case.name} done in {time.perf_counter() - started:.1f} s",
-                      file=sys.stderr, flush=True)
-        gathered: list | None = [None] * num_ranks if rank == 0 else None
-        dist.gather_object(records, gathered, dst=0, group=cpu_group)
-        if rank == 0:
-            assert gathered is not None
-            device = torch.cuda.get_device_name() if backend == "nccl" else "cpu"
-            payload = assemble_comm_results(plan.cases, gathered, num_ranks, device=device, warmup=plan.warmup,
-                                            iters=plan.iters)
-    except BaseException:
-        error = f"rank {rank} raised:\n{traceback.format_exc()}"
-    # One report per rank, then leave without interpreter teardown (as the multigpu tests do)
-    results.put((rank, payload, error))
-    results.close()
-    results.join_thread()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    case_fn = case_fn or _comm_case_on_rank
+    records = []
+    for index, case in enumerate(plan.cases):
+        started = time.perf_counter()
+        records.append(case_fn(case, index, plan, ranks))
+        if ranks.rank == 0:
+            print(f"megamoe bench comm: {case.name} done in {time.perf_counter() - started:.1f} s",
+                  file=sys.stderr, flush=True)
+    gathered: list | None = [None] * ranks.num_ranks if ranks.rank == 0 else None
+    dist.gather_object(records, gathered, dst=0, group=ranks.cpu_group)
+    if ranks.rank != 0:
+        return None
+    assert gathered is not None
+    return assemble_comm_results(plan.cases, gathered, ranks.num_ranks,
+                                 device=torch.cuda.get_device_name() if device_name else "cpu",
+                                 warmup=plan.warmup, iters=plan.iters)
 
 
 def bench_comm(tokens: Sequence[int] = COMM_TOKENS, *, warmup: int = 10, iters: int = 50,
                shapes: Sequence[CommShape] = COMM_SHAPES, seed: int = 0,
                timeout_s: float = 480.0) -> list[CommCaseResult]:
     """Spawn one process per visible GPU; rank 0 gathers every rank's timings and returns the results."""
-    from megamoe.buffer import NO_MULTICAST_ENV
-
     check_comm_options(tokens, warmup, iters)
     num_ranks = comm_num_ranks(torch.cuda.device_count(), shapes)
     plan = CommPlan(tuple(comm_cases(tokens, shapes)), warmup, iters, seed)
     precompile_comm([num_ranks], tokens, shapes)  # once here (cache hits when warmed), not in every rank at once
-    os.environ.update(NO_MULTICAST_ENV)  # inherited by the spawned ranks too
     return spawn_comm_ranks(num_ranks, plan, timeout_s=timeout_s)
 
 
 def spawn_comm_ranks(num_ranks: int, plan: CommPlan, *, backend: str = "nccl",
                      case_fn: Callable[..., dict] | None = None, timeout_s: float = 1200.0,
                      grace_s: float = 30.0) -> list[CommCaseResult]:
-    """Run _comm_worker in num_ranks spawned processes; rank 0's assembled results. Raises RuntimeError with every
-    rank's traceback when one fails; ranks still running grace_s after a failure (waiting in a collective for the
-    failed one) are killed, as are all of them after timeout_s."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_comm_worker, args=(rank, num_ranks, port, plan, results, backend, case_fn),
-                         daemon=True) for rank in range(num_ranks)]
-    for proc in procs:
-        proc.start()
-    reports: dict[int, tuple[Any, str | None]] = {}
-    problems: list[str] = []
-    deadline, grace = time.monotonic() + timeout_s, None
-    try:
-        while len(reports) < num_ranks:
-            try:
-                rank, payload, error = results.get(timeout=1.0)
-            except queue_module.Empty:
-                now = time.monotonic()
-                missing = sorted(set(range(num_ranks)) - reports.keys())
-                dead = [r for r in missing if not procs[r].is_alive()]
-                if dead:
-                    problems.append(f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without "
-                                    f"reporting")
-                    break
-                if now > deadline:
-                    problems.append(f"ranks {missing} did not report within {timeout_s:.0f} s (hang?); killed")
-                    break
-                if grace is not None and now > grace:
-                    problems.append(f"ranks {missing} still running {grace_s:.0f} s after a failure (waiting in a "
-                                    f"collective?); killed")
-                    break
-                continue
-            reports[rank] = (payload, error)
-            if error and grace is None:
-                grace = time.monotonic() + grace_s
-    finally:
-        for proc in procs:
-            proc.join(30 if len(reports) == num_ranks else 1)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
-    problems = [err for _, (_, err) in sorted(reports.items()) if err] + problems
-    if problems:
-        raise RuntimeError("megamoe bench comm failed:\n" + "\n".join(problems))
-    return reports[0][0]
+    """_comm_rank in num_ranks spawned processes (testing.ranks.spawn_ranks); rank 0's assembled results. Raises
+    RuntimeError (RankFailure) with every rank's traceback when one fails."""
+    results = spawn_ranks(num_ranks, _comm_rank, plan, case_fn, backend == "nccl", backend=backend,
+                          what="megamoe bench comm", timeout_s=timeout_s, grace_s=grace_s)
+    if results[0] is None:
+        raise RankFailure("megamoe bench comm failed: rank 0 returned no results")
+    return results[0]
