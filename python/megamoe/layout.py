@@ -263,7 +263,7 @@ class SymmLayout:
         t, k, h, i = self.num_max_tokens_per_rank, self.num_topk, self.hidden, self.intermediate
         p, b = self.num_pool_tokens, self.num_max_pool_blocks
         return [
-            # Workspace, zeroed once at allocation. Each call's kernel zeroes the counters it used after the combine
+            # Workspace, zeroed once at allocation. Each call's kernel zeroes the counters it used around its combine
             # barrier (combine/clean.cuh), so the next call starts clean without a host memset; grid-sync and NVLink
             # barrier words reset themselves, src_token_topk_idx and pool_src_metadata are rewritten for every row.
             ("workspace", "workspace_header", "uint32", (WORKSPACE_HEADER_WORDS,)),
