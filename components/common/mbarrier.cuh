@@ -10,7 +10,7 @@ MEGAMOE_DEVICE void mbarrier_init(uint64_t* bar, uint32_t arrive_count) {
 }
 
 // Arrive where `pred` holds: a predicated instruction, not a branch (a branch there left ptxas short of registers in
-// the L2-mode consumer: 604 B of spills, session 10).
+// the L2-mode consumer: measured 604 B of spills).
 MEGAMOE_DEVICE void mbarrier_arrive_if_at(uint32_t bar_addr, bool pred) {
     asm volatile(
         "{\n"

@@ -71,7 +71,7 @@ MEGAMOE_DEVICE void fence_operands(float (&regs)[kNumRegs]) {
 // columns 8 j + 2 (l % 4) + {0, 1} for j in [0, 16): d[4 j + 0, 1] (row r), d[4 j + 2, 3] (row r + 8).
 // NOTES: D stays read-write ("+f") even when overwritten. Declared write-only ("=f"), the overwritten partial
 // would be dead between its promotion and its next group, but ptxas then re-places the accumulator blocks
-// across loop back edges and spills whole partials (556-584 B in the L2-mode consumer, session 11).
+// across loop back edges and spills whole partials (measured: 556-584 B of spills in the L2-mode consumer).
 struct WGMMA_M64N128K32_E4M3 {
     static constexpr uint32_t M = 64, N = 128, K = 32;
     static constexpr uint32_t kNumAccum = M * N / 128;

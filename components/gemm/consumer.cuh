@@ -29,7 +29,7 @@ struct Fragment {
 // The weight SFs of one tile, one float per K block, read with __ldg once per tile and held in registers: lane l
 // of every warp holds K blocks l and l + 32; a K block's SF is a warp shuffle away. (Read per K block with __ldg
 // instead, the load, its 64-bit address arithmetic and the wait for it cost ~9% of the math warps' samples: ncu,
-// session 9.) Load it early (before the previous tile's epilogue) to hide the latency.
+// prefill 32 x 1536 x 4096 x 4096.) Load it early (before the previous tile's epilogue) to hide the latency.
 struct WeightScales {
     float first_lo, first_hi;    // L1: gate row; L2: the tile's row
     float second_lo, second_hi;  // L1: up row; L2: unused
@@ -140,7 +140,7 @@ MEGAMOE_DEVICE void for_each_index(std::integer_sequence<uint32_t, kIdx...>, con
 // them below the next wait. A stage wait in flight is one asm block (no C++ loop or trap path there: C7518), whose
 // timeout is reported after the group's wait; whether a next block exists is a compile-time fact of each call
 // (the first and last blocks are peeled), never a branch in flight. Blocking stage waits run with nothing in flight.
-// Every K-block count from 1 to 64 compiles without spills in both modes (checked, notes/gemm.md, session 11).
+// Every K-block count from 1 to 64 compiles without spills in both modes (ptxas, BLOCK_M 128: notes/gemm.md).
 template <typename T, bool kTrace = false, bool kFeedOnly = false, bool kPrefetch = true>
 MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
                                  const GemmSmem<T>& smem, const WeightScales& weight_scales, uint32_t math_wg_idx,

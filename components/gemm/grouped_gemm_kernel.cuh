@@ -17,7 +17,7 @@ namespace megamoe::gemm {
 
 // The output tile leaves through shared memory as coalesced 16-byte stores, in two passes of 64 columns (a
 // thread's fragment holds 2-column pairs of 2 rows: stored directly, each warp store touches 8 rows with 16 bytes
-// each and the LSU queue throttles; ncu, session 9: 6.7% of all warp samples on those stores). Half a tile of
+// each and the LSU queue throttles; measured with ncu: 6.7% of all warp samples on those stores). Half a tile of
 // staging keeps six 32 KiB stages within the shared memory of BLOCK_M = 128. Row r of a pass is 128 bytes, 8
 // chunks of 8 columns; chunk c sits at slot c ^ (r % 8), so that a warp's fragment writes (8 rows x 4 lanes of
 // one chunk) fall into 32 distinct banks.
