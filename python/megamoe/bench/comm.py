@@ -233,6 +233,9 @@ def gbps_per_direction(dispatch_bytes: float, combine_bytes: float, round_trip_u
 # Results --------------------------------------------------------------------------------------------------------
 @dataclass
 class CommMeasurement:
+    """One implementation's row of a comm case: the slowest rank's round trip and the GB/s per direction it gives
+    (not results.Measurement: no FLOPs or weight bytes here, and the JSON keys stay round_trip_us / gbps)."""
+
     impl: str
     round_trip_us: float | None  # the slowest rank's median
     gbps: float | None
