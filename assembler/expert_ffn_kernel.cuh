@@ -172,7 +172,7 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
         const uint32_t math_wg_idx = warp / 4 - 1, thread_in_wg = threadIdx.x % 128;
         const uint32_t math_thread_idx = threadIdx.x - kFirstMathThread;
         const bool is_store_thread = math_thread_idx == 0;
-        const epilogue::AccFragment frag = epilogue::AccFragment::of(math_wg_idx, thread_in_wg);
+        const AccFragment frag = AccFragment::of(math_wg_idx, thread_in_wg);
         uint8_t* staging = smem_buffer + T::kOffsetStaging;
         const epilogue::L1EpilogueArgs l1_args{maps.act_store, p.topk_weights, p.act_sf, p.l1_done_count,
                                                p.num_pool_rows, p.clamp};

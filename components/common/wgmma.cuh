@@ -67,8 +67,7 @@ MEGAMOE_DEVICE void fence_operands(float (&regs)[kNumRegs]) {
 
 // D(64x128, f32) (+)= A(64x32, e4m3, smem) * B(128x32, e4m3, smem)^T; kAccumulate false overwrites D (scale-d an
 // immediate: no predicate register).
-// Fragment: thread t of the warpgroup (warp w = t / 32, lane l) holds rows 16 w + l / 4 and that + 8,
-// columns 8 j + 2 (l % 4) + {0, 1} for j in [0, 16): d[4 j + 0, 1] (row r), d[4 j + 2, 3] (row r + 8).
+// Which thread holds which values of D: common/acc_fragment.cuh.
 // NOTES: D stays read-write ("+f") even when overwritten. Declared write-only ("=f"), the overwritten partial
 // would be dead between its promotion and its next group, but ptxas then re-places the accumulator blocks
 // across loop back edges and spills whole partials (measured: 556-584 B of spills in the L2-mode consumer).

@@ -1,9 +1,8 @@
 // The math warpgroup's accumulator as the epilogue sees it: one m64n128 fp32 WGMMA tile per warpgroup
-// (common/wgmma.cuh, WGMMA_M64N128K32_E4M3). Thread t of math warpgroup g (warp w = t / 32, lane l) holds tile
-// rows r = 64 g + 16 w + l / 4 and r + 8, columns 8 j + 2 (l % 4) + {0, 1} for the 16 chunks j of 8 columns:
-// acc[4 j + 0, 1] (row r), acc[4 j + 2, 3] (row r + 8). A row's 128 columns live in the 4 lanes of one quad.
+// (common/wgmma.cuh, WGMMA_M64N128K32_E4M3), each thread's share of it as common/acc_fragment.cuh maps it.
 #pragma once
 
+#include "common/acc_fragment.cuh"
 #include "common/wgmma.cuh"
 
 namespace megamoe::epilogue {
@@ -21,20 +20,6 @@ static_assert(Accumulator::M == 64 and Accumulator::N == 128 and kNumAccum == 64
 constexpr uint32_t kNumGateUpPairs = kNumChunks / 2;
 constexpr uint32_t kL1OutputCols = kNumGateUpPairs * kChunkCols;
 static_assert(kL1OutputCols == 64, "one interleaved 128-column L1 tile yields 64 output columns");
-
-// Which tile rows and columns this thread holds.
-struct AccFragment {
-    uint32_t row;        // tile row of acc[4 j + 0, 1]; acc[4 j + 2, 3] is row + 8
-    uint32_t quad_lane;  // lane % 4: columns 8 j + 2 quad_lane + {0, 1}
-
-    MEGAMOE_DEVICE static AccFragment of(uint32_t math_wg_idx, uint32_t thread_in_wg) {
-        const uint32_t warp_in_wg = thread_in_wg / 32, lane = thread_in_wg % 32;
-        return {math_wg_idx * 64 + warp_in_wg * 16 + lane / 4, lane % 4};
-    }
-
-    // First tile row of this thread's warp (16 rows per warp)
-    MEGAMOE_DEVICE uint32_t warp_row() const { return row & ~15u; }
-};
 
 // Index into acc of chunk j, row half h (0: row r, 1: row r + 8), column c in {0, 1} of the thread's pair.
 MEGAMOE_HOST_DEVICE constexpr uint32_t acc_index(uint32_t chunk, uint32_t half, uint32_t col) {

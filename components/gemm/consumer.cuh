@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "common/acc_fragment.cuh"
 #include "common/wgmma.cuh"
 #include "gemm/kblock_trace.cuh"
 #include "gemm/pipeline.cuh"
@@ -14,17 +15,6 @@
 namespace megamoe::gemm {
 
 using WGMMA = ptx::WGMMA_M64N128K32_E4M3;
-
-// Where this thread's accumulator values sit in the tile (see WGMMA_M64N128K32_E4M3's fragment).
-struct Fragment {
-    uint32_t row;  // tile row of d[4 j + 0, 1]; d[4 j + 2, 3] is row + 8
-    uint32_t col;  // tile column of d[4 j + 0] is col + 8 j; d[4 j + 1] is one to the right
-
-    MEGAMOE_DEVICE static Fragment of(uint32_t math_wg_idx, uint32_t thread_in_wg) {
-        const uint32_t warp_in_wg = thread_in_wg / 32, lane = thread_in_wg % 32;
-        return {math_wg_idx * 64 + warp_in_wg * 16 + lane / 4, (lane % 4) * 2};
-    }
-};
 
 // The weight SFs of one tile, one float per K block, read with __ldg once per tile and held in registers: lane l
 // of every warp holds K blocks l and l + 32; a K block's SF is a warp shuffle away. (Read per K block with __ldg
@@ -156,7 +146,7 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, Pipeli
     constexpr std::true_type kYes{};
     constexpr std::false_type kNo{};
     constexpr std::integral_constant<bool, (kNumKBlocks > 1)> kFirstHasNext{};
-    const Fragment frag = Fragment::of(math_wg_idx, thread_in_wg);
+    const AccFragment frag = AccFragment::of(math_wg_idx, thread_in_wg);
     const uint32_t lane = thread_in_wg % 32;
     const uint32_t a_offset = math_wg_idx * T::WGMMA_M * T::BLOCK_K;
     // BLOCK_M = 32: warps 2, 3 hold WGMMA rows 32..63, which are discarded; `% BLOCK_M` keeps their SF reads

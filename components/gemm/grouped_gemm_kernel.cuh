@@ -45,7 +45,7 @@ constexpr uint32_t kStagedBarrierIdx = 2;       // the pass is staged
 // Stage pass `kPass` of this warpgroup's accumulator rows (below BLOCK_M: with BLOCK_M = 32 the WGMMA rows
 // 32..63 are discarded).
 template <typename T, uint32_t kPass>
-MEGAMOE_DEVICE void stage_pass_bf16(const float (&acc)[WGMMA::kNumAccum], const Fragment& frag, uint8_t* staging) {
+MEGAMOE_DEVICE void stage_pass_bf16(const float (&acc)[WGMMA::kNumAccum], const AccFragment& frag, uint8_t* staging) {
     using Staging = OutputStaging<T>;
     #pragma unroll
     for (uint32_t half = 0; half < 2; ++ half) {
@@ -56,7 +56,7 @@ MEGAMOE_DEVICE void stage_pass_bf16(const float (&acc)[WGMMA::kNumAccum], const 
         for (uint32_t c = 0; c < Staging::kNumChunks; ++ c) {
             const uint32_t j = kPass * Staging::kNumChunks + c;
             const __nv_bfloat162 pair = __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-            *reinterpret_cast<__nv_bfloat162*>(staging + Staging::slot_offset(row, c) + frag.col * 2) = pair;
+            *reinterpret_cast<__nv_bfloat162*>(staging + Staging::slot_offset(row, c) + frag.col() * 2) = pair;
         }
     }
 }
@@ -78,7 +78,7 @@ MEGAMOE_DEVICE void copy_staged_pass(const uint8_t* staging, const Tile& tile, _
 
 // The whole tile, pass by pass: stage once every thread copied the previous pass out, copy once it is staged.
 template <typename T>
-MEGAMOE_DEVICE void store_tile_bf16(const float (&acc)[WGMMA::kNumAccum], const Fragment& frag, const Tile& tile,
+MEGAMOE_DEVICE void store_tile_bf16(const float (&acc)[WGMMA::kNumAccum], const AccFragment& frag, const Tile& tile,
                                     uint8_t* staging, __nv_bfloat16* d, uint32_t math_thread_idx) {
     ptx::named_barrier_sync<kStagingFreeBarrierIdx, T::kNumMathThreads>();
     stage_pass_bf16<T, 0>(acc, frag, staging);
@@ -135,7 +135,7 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
         // Math warpgroups: accumulate each tile, store it
         ptx::setmaxnreg_inc<kNumMathRegs>();
         const uint32_t math_wg_idx = warp / 4 - 1, thread_in_wg = threadIdx.x % 128;
-        const Fragment frag = Fragment::of(math_wg_idx, thread_in_wg);
+        const AccFragment frag = AccFragment::of(math_wg_idx, thread_in_wg);
         uint8_t* staging = smem_buffer + OutputStaging<T>::kOffset;
         KBlockTrace<kTrace> tracer{blockIdx.x == 0 and thread_in_wg == 0 and trace != nullptr
                                        ? trace + math_wg_idx * kMaxTracedKBlocks * kNumKBlockEvents : nullptr};
