@@ -13,7 +13,7 @@
 
 namespace megamoe::combine {
 
-// Chunk = gcd(2 H, 1024) B (heuristics.smem_plan): <= 512 BF16, 4 to 16 per lane.
+// Chunk = gcd(2 H, 1024) B (kernels/dispatch_combine.py: combine_chunk_bytes): <= 512 BF16, 4 to 16 per lane.
 constexpr uint32_t kRowBytes = layout::kHidden * sizeof(__nv_bfloat16);
 constexpr uint32_t kChunkBytes = kRowBytes % 1024 == 0 ? 1024u : (kRowBytes % 512 == 0 ? 512u : 256u);
 constexpr uint32_t kNumChunks = kRowBytes / kChunkBytes;
