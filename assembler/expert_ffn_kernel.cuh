@@ -17,6 +17,7 @@
 #include "expert_ffn_scheduler.cuh"
 #include "gemm/consumer.cuh"
 #include "gemm/producer.cuh"
+#include "shared_ring.cuh"
 
 namespace megamoe::assembler {
 
@@ -24,17 +25,6 @@ namespace megamoe::assembler {
 constexpr uint32_t kL1StoreBarrierIdx = 1;      // L1 staging written -> one thread issues the TMA stores
 constexpr uint32_t kStagingFreeBarrierIdx = 2;  // every reader of the shared staging area is done with it
 constexpr uint32_t kL2StagedBarrierIdx = 3;     // L2 staging written -> rows copied out
-
-// A phase's GEMM traits with the shared-memory carve-up both phases use for their one ring: SFA stages sized
-// for L2's two per-64 SFs per K block (L1 fills the first BLOCK_M floats), the barriers after them. Same A and B
-// stages and barriers in both phases, so a stage may pass from an L1 tile to an L2 tile.
-template <typename Base, uint32_t kSfaStageBytes>
-struct SharedRingTraits : Base {
-    static_assert(Base::kStageBytesSfa <= kSfaStageBytes, "the shared SFA stage must hold this phase's SFs");
-    static constexpr uint32_t kStageBytesSfa = kSfaStageBytes;
-    static constexpr uint32_t kOffsetBarriers = Base::kOffsetSfa + Base::kNumStages * kStageBytesSfa;
-    static constexpr uint32_t kSmemBytes = kOffsetBarriers + 2 * Base::kNumStages * 8;
-};
 
 // kBandM: m-blocks per band of the tile order (gemm/tile_scheduler.cuh); kPrefetch: the next stage awaited while
 // a block's last WGMMA group runs (gemm/consumer.cuh).

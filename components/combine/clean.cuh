@@ -42,6 +42,8 @@ MEGAMOE_DEVICE void clean_local_counters(const SymBuffer& sym, uint32_t cta_idx,
                num_threads);
     zero_words(sym.local<uint32_t>(layout::kL1DoneCountOffset), layout::kNumMaxPoolBlocks, thread_rank,
                num_threads);
+    zero_words(sym.local<uint32_t>(layout::kL2DoneCountOffset), layout::kNumMaxPoolBlocks, thread_rank,
+               num_threads);
     zero_words(sym.local<uint32_t>(layout::kCombineArrivalCountOffset), layout::kNumMaxTokensPerRank, thread_rank,
                num_threads);
 }

@@ -162,8 +162,9 @@ MEGAMOE_DEVICE void accumulate_vecs(float* acc, const uint4 (&v)[kSlotBatch][kVe
 // done, waiting per token for its rows: combine_arrival_count); global warp `warp_rank` of `num_warps` takes a
 // contiguous range of the num_tokens x kUnitsPerToken units (consecutive units mostly share a token, whose slot
 // mask is then loaded once). y: [num_tokens, H] BF16, rows 16 B aligned. Same sums as reduce_tokens: fp32 from
-// +0, the valid slots in slot order, one rounding to BF16.
-template <uint32_t kVecsPerLane, bool kWaitArrivals = false>
+// +0, the valid slots in slot order, one rounding to BF16. kPrint: a timeout also printfs (false in kernels that
+// issue WGMMA).
+template <uint32_t kVecsPerLane, bool kWaitArrivals = false, bool kPrint = true>
 MEGAMOE_DEVICE void reduce_token_chunks(const DeviceEnv& env, const SymBuffer& sym, uint32_t num_tokens,
                                         __nv_bfloat16* y, uint32_t warp_rank, uint32_t num_warps) {
     static_assert(kVecsPerLane >= 1 and kVecsPerLane <= 4, "1..4 vectors of 16 B per lane and slot");
@@ -193,7 +194,7 @@ MEGAMOE_DEVICE void reduce_token_chunks(const DeviceEnv& env, const SymBuffer& s
                 if (lane == 0) {
                     const uint32_t* count = sym.local<const uint32_t>(layout::kCombineArrivalCountOffset) + token;
                     const uint32_t expected = __popc(slot_mask);
-                    bounded_wait(
+                    bounded_wait<kPrint>(
                         env, "combine_rows",
                         [&]() { return ptx::ld_acquire<ptx::Scope::kSys>(count) >= expected; },
                         [&]() { return make_longlong3(ptx::ld_relaxed<ptx::Scope::kSys>(count), expected, token); });

@@ -76,6 +76,18 @@ MEGAMOE_DEVICE uint32_t atom_add_release(uint32_t* ptr, uint32_t value) {
     return old;
 }
 
+// acq_rel: the add both publishes the caller's earlier writes and, when it observes the last of a series of
+// such adds, makes every earlier adder's writes visible to the caller (counting completions of shared work).
+template <Scope kScope>
+MEGAMOE_DEVICE uint32_t atom_add_acq_rel(uint32_t* ptr, uint32_t value) {
+    uint32_t old;
+    if constexpr (kScope == Scope::kGpu)
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
+    else
+        asm volatile("atom.acq_rel.sys.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
+    return old;
+}
+
 template <Scope kScope>
 MEGAMOE_DEVICE uint32_t atom_add_relaxed(uint32_t* ptr, uint32_t value) {
     uint32_t old;
@@ -84,6 +96,17 @@ MEGAMOE_DEVICE uint32_t atom_add_relaxed(uint32_t* ptr, uint32_t value) {
     else
         asm volatile("atom.relaxed.sys.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
     return old;
+}
+
+// 16 B relaxed load at .gpu scope (data another CTA of this launch wrote and published: never the
+// non-coherent __ldg path).
+MEGAMOE_DEVICE uint4 ld_relaxed_gpu_v4(const uint4* ptr) {
+    uint4 v;
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(ptr)
+                 : "memory");
+    return v;
 }
 
 }  // namespace megamoe::ptx

@@ -14,7 +14,7 @@ constexpr uint64_t kSecondaryTimeoutFactor = 2;
 
 // The environment of a secondary wait: the same records, a longer timeout.
 MEGAMOE_DEVICE DeviceEnv secondary_env(const DeviceEnv& env) {
-    return DeviceEnv{env.timeout_ns * kSecondaryTimeoutFactor, env.timeout_records, env.rank, env.reserved};
+    return DeviceEnv{env.timeout_ns * kSecondaryTimeoutFactor, env.timeout_records, env.rank, env.role};
 }
 
 // Every participating thread of every CTA calls this. `sync_cta()` is a barrier among the CTA's participating
@@ -23,7 +23,8 @@ MEGAMOE_DEVICE DeviceEnv secondary_env(const DeviceEnv& env) {
 // kGridSyncFlipBit, so the top bit flips exactly when the last CTA arrives, and the counter needs no reset
 // (a CTA already in the next sync cannot flip it again before every CTA has arrived there too).
 // kArriveScope = kSys when the sync publishes writes that a peer GPU reads after a later .sys release.
-template <ptx::Scope kArriveScope = ptx::Scope::kGpu, typename SyncCta>
+// kPrint: a timeout also printfs (false in kernels that issue WGMMA: the record only, DESIGN 5c).
+template <ptx::Scope kArriveScope = ptx::Scope::kGpu, bool kPrint = true, typename SyncCta>
 MEGAMOE_DEVICE void grid_sync(const DeviceEnv& env, const char* tag, uint32_t* counter, uint32_t cta_idx,
                               uint32_t num_ctas, bool is_leader, const SyncCta& sync_cta) {
     // NOTES: the CTA barrier orders every participating thread's prior writes before the leader's release
@@ -34,7 +35,7 @@ MEGAMOE_DEVICE void grid_sync(const DeviceEnv& env, const char* tag, uint32_t* c
     if (is_leader) {
         const uint32_t arrival = cta_idx == 0 ? kGridSyncFlipBit - (num_ctas - 1) : 1u;
         const uint32_t old_value = ptx::atom_add_release<kArriveScope>(counter, arrival);
-        bounded_wait(
+        bounded_wait<kPrint>(
             secondary_env(env), tag,
             [&]() { return ((ptx::ld_acquire<ptx::Scope::kGpu>(counter) ^ old_value) & kGridSyncFlipBit) != 0; },
             [&]() {

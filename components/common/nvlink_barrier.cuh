@@ -98,7 +98,8 @@ namespace megamoe {
 // before_signal(): run by CTA 0's threads after the prologue and before the signals, which publish its writes to
 // the peers (the combine barrier zeroes expert_recv_count there). while_waiting(): run by every thread after the
 // prologue, before its CTA's wait (work off the critical path, e.g. clearing local counters).
-template <typename SyncCta, typename BeforeSignal, typename WhileWaiting>
+// kPrint: timeouts also printf (false in kernels that issue WGMMA).
+template <bool kPrint = true, typename SyncCta, typename BeforeSignal, typename WhileWaiting>
 MEGAMOE_DEVICE void nvlink_barrier_polled(const DeviceEnv& env, const BarrierTags& tags, const SymBuffer& sym,
                                           const BarrierWords& words, uint32_t ordinal, uint32_t cta_idx,
                                           uint32_t num_ctas, uint32_t thread_idx, const SyncCta& sync_cta,
@@ -108,8 +109,8 @@ MEGAMOE_DEVICE void nvlink_barrier_polled(const DeviceEnv& env, const BarrierTag
     // included) -> CTA barrier -> leader's atom.release.sys -> CTA 0's acquire -> CTA 0's CTA barrier -> its
     // signalling threads' red.release.sys (cumulativity) -> a peer thread's ld.acquire.sys that reads the target.
     // before_signal's writes by CTA 0's threads join the chain through the CTA barrier before the signals.
-    grid_sync<ptx::Scope::kSys>(env, tags.prologue, words.grid_counter, cta_idx, num_ctas, thread_idx == 0,
-                                sync_cta);
+    grid_sync<ptx::Scope::kSys, kPrint>(env, tags.prologue, words.grid_counter, cta_idx, num_ctas, thread_idx == 0,
+                                        sync_cta);
 
     const uint32_t status = ordinal & 3u;
     const uint32_t phase = status & 1u;
@@ -131,7 +132,7 @@ MEGAMOE_DEVICE void nvlink_barrier_polled(const DeviceEnv& env, const BarrierTag
     // barrier extends the acquire to the CTA's other threads.
     if (thread_idx == 0) {
         const uint32_t target = (negative ? 0u : sym.num_ranks) + (debug_never_done ? 0x40000000u : 0u);
-        bounded_wait(
+        bounded_wait<kPrint>(
             env, tags.cross_rank, [&]() { return ptx::ld_acquire<ptx::Scope::kSys>(signal) == target; },
             [&]() {
                 return make_longlong3(static_cast<int32_t>(ptx::ld_relaxed<ptx::Scope::kSys>(signal)),

@@ -25,16 +25,33 @@ struct TimeoutRecord {
 };
 static_assert(sizeof(TimeoutRecord) == 80, "TimeoutRecord layout is mirrored in megamoe/jit/diagnostics.py");
 
-constexpr uint32_t kMaxTimeoutRecords = 256;
+// One record per (role, SM): simultaneous timeouts of several roles of one CTA (a pull, the GEMM pipeline behind
+// it, the combine wait behind both) each keep their own. Role 0 is every unit kernel's only role.
+constexpr uint32_t kNumRecordRoles = 4;
+constexpr uint32_t kRecordsPerRole = 256;
+constexpr uint32_t kMaxTimeoutRecords = kNumRecordRoles * kRecordsPerRole;
+
+// The record roles of the fused kernel's warps (DeviceEnv::role)
+enum RecordRole : uint32_t { kRoleCommon = 0, kRoleDispatch = 1, kRoleProducer = 2, kRoleMath = 3 };
 
 // Passed by value to every kernel (mirrored by megamoe/jit/diagnostics.py: DeviceEnv).
 struct DeviceEnv {
     uint64_t timeout_ns;
     TimeoutRecord* timeout_records;  // kMaxTimeoutRecords entries, host-mapped; may be nullptr
     uint32_t rank;
-    uint32_t reserved;
+    uint32_t role;  // RecordRole: which of an SM's records a timeout writes (0 from the host)
 };
 static_assert(sizeof(DeviceEnv) == 24, "DeviceEnv layout is mirrored in megamoe/jit/diagnostics.py");
+
+// Timeout tiers (DESIGN 5c): a wait that can only stall behind another wait gets a longer timeout, so the root
+// cause reports first. Peer waits (NVLink barrier, pull) 1x, pool-block arrivals 2x, GEMM pipeline 3x, combine
+// rows and grid syncs 4x.
+enum WaitTier : uint32_t { kTierPeer = 1, kTierArrival = 2, kTierPipeline = 3, kTierCombine = 4 };
+
+// The environment of a wait of `tier` on behalf of `role`: the same records, a longer timeout.
+MEGAMOE_DEVICE DeviceEnv tiered_env(const DeviceEnv& env, WaitTier tier, RecordRole role) {
+    return DeviceEnv{env.timeout_ns * tier, env.timeout_records, env.rank, role};
+}
 
 MEGAMOE_DEVICE uint64_t globaltimer_ns() {
     uint64_t t;
@@ -72,7 +89,8 @@ MEGAMOE_DEVICE void megamoe_report_timeout(const DeviceEnv& env, const char* tag
                                            int64_t v1, int64_t v2) {
     const uint32_t sm_idx = sm_id();
     if (env.timeout_records != nullptr) {
-        TimeoutRecord* rec = env.timeout_records + (sm_idx % kMaxTimeoutRecords);
+        TimeoutRecord* rec = env.timeout_records + (env.role % kNumRecordRoles) * kRecordsPerRole +
+                             sm_idx % kRecordsPerRole;
         rec->rank = env.rank;
         rec->sm_idx = sm_idx;
         rec->block_idx = blockIdx.x;

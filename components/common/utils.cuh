@@ -39,6 +39,15 @@ MEGAMOE_DEVICE uint32_t lane_idx() {
 // Warp index, made warp-uniform for the compiler (it cannot prove threadIdx.x / 32 is uniform).
 MEGAMOE_DEVICE uint32_t warp_idx() { return __shfl_sync(0xffffffffu, threadIdx.x / 32, 0); }
 
+// A volatile shared-memory load: re-read at every use, never forwarded from an earlier store or value. The fused
+// kernel keeps its CTA index and grid size in shared memory and reads them this way after its role split: ptxas
+// otherwise keeps the prologue's copy of %ctaid / %nctaid live across the 40-register roles, which then spill it.
+MEGAMOE_DEVICE uint32_t ld_volatile_shared(const uint32_t* ptr) {
+    uint32_t v;
+    asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(v) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))));
+    return v;
+}
+
 MEGAMOE_DEVICE uint32_t smem_addr(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }

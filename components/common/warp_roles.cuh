@@ -14,6 +14,8 @@ constexpr uint32_t kFirstMathThread = 128;
 constexpr uint32_t kNumProducerRegs = 40;
 constexpr uint32_t kNumMathRegs = 224;
 constexpr uint32_t kSmemLimit = 232448;
+// Registers allocated at launch: 384 threads x the __launch_bounds__(384, 1) cap of 168
+constexpr uint32_t kLaunchRegisterBudget = kNumThreads * 168;
 static_assert(kNumProducerRegs * 128 + kNumMathRegs * 256 <= 65536, "register file after setmaxnreg");
 
 }  // namespace megamoe

@@ -9,13 +9,19 @@
 
 namespace megamoe::dispatch {
 
+// Bits of the workspace header's error_flags word (read by the host after the call)
+constexpr uint32_t kErrorRoutingOverflow = 1u;  // a rank sent more than T_max rows to one expert (repeated experts)
+
 // Every thread of every CTA calls this; CTA `cta_idx` takes a contiguous range of tokens. `smem_expert_count`
 // holds kNumExperts words. `sync_cta` is a barrier among the kNumThreads callers of the CTA. No barrier at the
 // end: the dispatch barrier that must follow begins with one.
-template <uint32_t kNumThreads, typename SyncCta>
+// kAssert: a routing that overflows a reserved range traps with a printf (unit kernels); otherwise (kernels that
+// issue WGMMA, where a printf serializes the pipeline: DESIGN 5c) the pair is dropped and kErrorRoutingOverflow
+// is set in `error_flags`.
+template <uint32_t kNumThreads, bool kAssert = true, typename SyncCta>
 MEGAMOE_DEVICE void count_and_notify(const SymBuffer& sym, uint32_t num_tokens, uint32_t* smem_expert_count,
                                      uint32_t cta_idx, uint32_t num_ctas, uint32_t thread_idx,
-                                     const SyncCta& sync_cta) {
+                                     const SyncCta& sync_cta, uint32_t* error_flags = nullptr) {
     static_assert(layout::kNumExperts == layout::kNumLocalExperts * layout::kNumRanks, "E = E_local * R");
     constexpr uint32_t kNumTopk = layout::kNumTopk;
     const uint32_t tokens_per_cta = ceil_div(num_tokens, num_ctas);
@@ -55,7 +61,12 @@ MEGAMOE_DEVICE void count_and_notify(const SymBuffer& sym, uint32_t num_tokens, 
             continue;
         const uint32_t slot = atomicAdd(smem_expert_count + expert, 1u);
         // A token's valid experts are distinct, so one rank sends at most T_max rows to an expert
-        MEGAMOE_DEVICE_ASSERT(slot < layout::kNumMaxTokensPerRank);
+        if constexpr (kAssert) {
+            MEGAMOE_DEVICE_ASSERT(slot < layout::kNumMaxTokensPerRank);
+        } else if (slot >= layout::kNumMaxTokensPerRank) {
+            atomicOr(error_flags, kErrorRoutingOverflow);
+            continue;
+        }
         const uint32_t dst_rank = static_cast<uint32_t>(expert) / layout::kNumLocalExperts;
         const uint32_t local_expert = static_cast<uint32_t>(expert) % layout::kNumLocalExperts;
         *sym.peer<uint32_t>(src_token_topk_idx_offset(local_expert, sym.rank_idx, slot), dst_rank) = p;

@@ -136,8 +136,9 @@ MEGAMOE_DEVICE void release_pipelined_row(const SymBuffer& sym, uint32_t pool_bl
 // of `num_warps` takes received rows warp_rank + i * num_warps. Row i goes peer x -> stage i % kStages (1D bulk
 // load of the row and of its SF row, on that stage's mbarrier) -> pool (1D bulk store); up to kStages loads are in
 // flight while the oldest row lands. Lane s (s < kStages) keeps the top-k weight and the pool row of the row in
-// stage s in registers (no dynamically indexed register arrays: no local memory).
-template <uint32_t kBlockM, uint32_t kStages>
+// stage s in registers (no dynamically indexed register arrays: no local memory). kPrint: a timeout also printfs
+// (false in kernels that issue WGMMA).
+template <uint32_t kBlockM, uint32_t kStages, bool kPrint = true>
 MEGAMOE_DEVICE void pull_rows_pipelined(const DeviceEnv& env, const SymBuffer& sym, const RecvTable& table,
                                         uint8_t* smem_stages, uint64_t* stage_barriers, uint32_t warp_rank,
                                         uint32_t num_warps) {
@@ -193,7 +194,7 @@ MEGAMOE_DEVICE void pull_rows_pipelined(const DeviceEnv& env, const SymBuffer& s
         uint8_t* stage_smem = smem_stages + stage * kPullStageBytes;
 
         // Every lane observes the stage's phase (it reads the SF from the stage), then lane 0 lands the row
-        ptx::mbarrier_wait(env, "dispatch_pull", stage_barriers + stage, (i / kStages) & 1u);
+        ptx::mbarrier_wait<kPrint>(env, "dispatch_pull", stage_barriers + stage, (i / kStages) & 1u);
         if (lane == 0) {
             ptx::bulk_store_1d(pool_row(sym, row), stage_smem, layout::kHidden);
             ptx::bulk_commit_group();

@@ -70,6 +70,9 @@ MEGAMOE_DEVICE void build_recv_table(const RecvTable& table, const SymBuffer& sy
         uint32_t count = 0;
         if (k < kNumRecvPairs)
             count = kPrefetched ? table.pair_prefix[k] : ptx::ld_relaxed<ptx::Scope::kGpu>(recv_count + k);
+        // A routing that repeats an expert in a token can count more than the T_max reserved slots of a pair
+        // (count.cuh drops those pairs and flags it): never pull past the pair's slots
+        count = min(count, layout::kNumMaxTokensPerRank);
         const uint32_t inclusive = warp_inclusive_scan(count, lane);
         if (k < kNumRecvPairs)
             table.pair_prefix[k] = carry + inclusive - count;

@@ -35,7 +35,8 @@ WORKSPACE_HEADER_FIELDS: tuple[tuple[str, int, int], ...] = (
     ("grid_sync_counter", 0, 4),  # grid-wide sync counters (u32)
     ("nvl_barrier_counter", 4, 1),  # NVLink barrier arrival counter (u32)
     ("nvl_barrier_signal", 5, 2),  # NVLink barrier phase signals, one per phase (int32)
-    ("scheduler_counter", 7, WORKSPACE_HEADER_WORDS - 7),  # spare scheduler counters (u32)
+    ("error_flags", 7, 1),  # bits the device sets for bad input it skipped (dispatch/count.cuh), never cleared
+    ("scheduler_counter", 8, WORKSPACE_HEADER_WORDS - 8),  # spare scheduler counters (u32)
 )
 
 DTYPE_BYTES: dict[str, int] = {
@@ -56,6 +57,7 @@ WORKSPACE_REGIONS = (
     "src_token_topk_idx",
     "l1_arrival_count",
     "l1_done_count",
+    "l2_done_count",
     "combine_arrival_count",
     "pool_src_metadata",
 )
@@ -272,6 +274,8 @@ class SymmLayout:
             ("workspace", "src_token_topk_idx", "uint32", (e_local, r, t)),
             ("workspace", "l1_arrival_count", "uint32", (b,)),
             ("workspace", "l1_done_count", "uint32", (b,)),
+            # Finished L2 tiles per pool block (the tile that completes a block signals its rows to the sources)
+            ("workspace", "l2_done_count", "uint32", (b,)),
             # Combine rows landed here per token (every rank's scatter adds one per row it writes)
             ("workspace", "combine_arrival_count", "uint32", (t,)),
             ("workspace", "pool_src_metadata", "uint32", (p, len(POOL_SRC_METADATA_FIELDS))),

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 from megamoe import envs
 
-MAX_TIMEOUT_RECORDS = 256
+NUM_RECORD_ROLES = 4  # timeout.cuh kNumRecordRoles: common, dispatch, producer, math
+RECORDS_PER_ROLE = 256  # timeout.cuh kRecordsPerRole: one per SM
+MAX_TIMEOUT_RECORDS = NUM_RECORD_ROLES * RECORDS_PER_ROLE
+RECORD_ROLES = ("common", "dispatch", "producer", "math")  # timeout.cuh RecordRole, in order
 
 
 class TimeoutRecordStruct(ctypes.Structure):
@@ -21,7 +24,7 @@ class TimeoutRecordStruct(ctypes.Structure):
 
 class DeviceEnv(ctypes.Structure):
     _fields_ = [("timeout_ns", ctypes.c_uint64), ("timeout_records", ctypes.c_uint64),
-                ("rank", ctypes.c_uint32), ("reserved", ctypes.c_uint32)]
+                ("rank", ctypes.c_uint32), ("role", ctypes.c_uint32)]
 
 
 assert ctypes.sizeof(TimeoutRecordStruct) == 80 and ctypes.sizeof(DeviceEnv) == 24
@@ -36,9 +39,10 @@ class TimeoutReport:
     waited_ms: float
     tag: str
     values: tuple[int, int, int]
+    role: str = "common"
 
     def __str__(self) -> str:
-        return (f"rank {self.rank} SM {self.sm_idx} block {self.block_idx} thread {self.thread_idx}: "
+        return (f"rank {self.rank} SM {self.sm_idx} block {self.block_idx} thread {self.thread_idx} ({self.role}): "
                 f"timed out at '{self.tag}' after {self.waited_ms:.1f} ms, values {self.values}")
 
 
@@ -64,8 +68,8 @@ class TimeoutRecords:
 
     def reports(self) -> list[TimeoutReport]:
         return [TimeoutReport(r.rank, r.sm_idx, r.block_idx, r.thread_idx, r.waited_ns / 1e6,
-                              r.tag.decode(errors="replace"), tuple(r.values))
-                for r in self.records if r.valid]
+                              r.tag.decode(errors="replace"), tuple(r.values), RECORD_ROLES[i // RECORDS_PER_ROLE])
+                for i, r in enumerate(self.records) if r.valid]
 
 
 _records: TimeoutRecords | None = None

@@ -1,0 +1,124 @@
+// The fused MoE kernel: one persistent cooperative launch per rank (DESIGN sections 1, 5, 5b, 5c).
+//
+//   head (every thread)   count + reserve + notify, NVLink barrier "dispatch", receive table, recv stats
+//   roles (kernel_skeleton.cuh, no CTA-wide barrier until their ends)
+//     dispatch warps      pull the received rows into the pool (row, SF, weight, metadata; arrival counts)
+//     TMA-A warp          per task: wait for the pool block (L1: its arrival count; L2: its L1 completions)
+//     TMA-B warp          per task: the weight tiles
+//     math warpgroups     L1 tiles + L1 epilogue (publish), L2 tiles + L2 epilogue (scatter 256 B slices to the
+//                         source ranks' combine rows, count the block's tiles, the completing tile signals its
+//                         rows), then the top-k reduce of this rank's tokens (a spare warpgroup reduces only)
+//   tail (every thread)   NVLink barrier "combine" with the workspace clean
+//
+// Task order and the deadlock-freedom argument: fused_scheduler.cuh. Every wait reports through the host-mapped
+// record of its (SM, role) and traps, never printf (a call reachable here makes ptxas serialize the WGMMAs).
+#pragma once
+
+#include "combine/clean.cuh"
+#include "combine/reduce.cuh"
+#include "common/nvlink_barrier.cuh"
+#include "dispatch/count.cuh"
+#include "fused_roles.cuh"
+
+namespace megamoe::assembler {
+
+// The NVLink barrier words of this rank's workspace header.
+MEGAMOE_DEVICE BarrierWords barrier_words(const SymBuffer& sym) {
+    uint32_t* header = sym.local<uint32_t>(layout::kWorkspaceHeaderOffset);
+    return BarrierWords{header + layout::kGridSyncCounterIdx, header + layout::kNvlBarrierCounterIdx,
+                        header + layout::kNvlBarrierSignalIdx};
+}
+
+// Head, every thread: init the ring and pull barriers; count, reserve, notify; the dispatch barrier; the receive
+// table (every CTA) and recv stats (CTA 0). Leaves the NVLink barrier ordinal in shared memory for the tail.
+template <typename T>
+MEGAMOE_DEVICE void fused_head(const FusedContext<T>& ctx) {
+    constexpr uint32_t kNumThreads = megamoe::kNumThreads;
+    const uint32_t thread_idx = threadIdx.x, cta_idx = blockIdx.x, num_ctas = gridDim.x;
+    const SymBuffer& sym = ctx.sym;
+
+    // Init the ring and the pull stages' barriers, visible to the async proxy before the first TMA
+    if (thread_idx == 0) {
+        ptx::prefetch_tensormap(ctx.maps.l1_a);
+        ptx::prefetch_tensormap(ctx.maps.l1_sfa);
+        ptx::prefetch_tensormap(ctx.maps.w1);
+        ptx::prefetch_tensormap(ctx.maps.l2_a);
+        ptx::prefetch_tensormap(ctx.maps.l2_sfa);
+        ptx::prefetch_tensormap(ctx.maps.w2);
+        ptx::prefetch_tensormap(ctx.maps.act_store);
+        ctx.pipeline.init(2, T::kNumMathWarps);
+        for (uint32_t i = 0; i < kNumDispatchWarps * T::kPullStages; ++ i)
+            ptx::mbarrier_init(ctx.pull_barriers + i, 1);
+        ptx::fence_mbarrier_init();
+    }
+    const auto sync_cta = []() { __syncthreads(); };
+    const BarrierWords words = barrier_words(sym);
+    // NOTES: every thread reads the NVLink barrier counter before its CTA's first grid-sync arrival; CTA 0 moves
+    // it only after that grid sync (nvlink_barrier_polled), and earlier calls' moves are ordered by the kernel
+    // boundary. Thread 0 keeps it in shared memory for the tail (published by the CTA barriers in between).
+    const uint32_t nvl_ordinal = *words.nvl_counter;
+    if (thread_idx == 0) {
+        ctx.misc[0] = nvl_ordinal;
+        ctx.misc[1] = cta_idx;
+        ctx.misc[2] = num_ctas;
+    }
+    __syncthreads();
+
+    dispatch::count_and_notify<kNumThreads, false>(sym, ctx.p.num_tokens, ctx.expert_count, cta_idx, num_ctas,
+                                                   thread_idx, sync_cta,
+                                                   sym.local<uint32_t>(layout::kWorkspaceHeaderOffset) +
+                                                       layout::kErrorFlagsIdx);
+    nvlink_barrier_polled<false>(tiered_env(ctx.env, kTierPeer, kRoleCommon),
+                                 BarrierTags{"gs0_dispatch", "nvl_dispatch", ""}, sym, words, nvl_ordinal, cta_idx,
+                                 num_ctas, thread_idx, sync_cta, []() {}, []() {},
+                                 (ctx.p.debug_flags & kDebugHangAtDispatchBarrier) != 0);
+    dispatch::prefetch_recv_counts<kNumThreads>(ctx.table, sym, thread_idx);
+    __syncthreads();
+    if (thread_idx < 32)
+        dispatch::build_recv_table<T::BLOCK_M, true>(ctx.table, sym, thread_idx);
+    __syncthreads();
+    if (cta_idx == 0)
+        dispatch::add_recv_stats<kNumThreads>(ctx.table, ctx.p.recv_stats, thread_idx);
+}
+
+// Tail, every thread: every rank's rows have been reduced where they belong; clean this call's counters and meet
+// the peers (the clean folded into the combine barrier: combine/clean.cuh).
+template <typename T>
+MEGAMOE_DEVICE void fused_tail(const FusedContext<T>& ctx) {
+    constexpr uint32_t kNumThreads = megamoe::kNumThreads;
+    const uint32_t thread_idx = threadIdx.x, cta_idx = ctx.cta_idx(), num_ctas = ctx.num_ctas();
+    const SymBuffer& sym = ctx.sym;
+    nvlink_barrier_polled<false>(
+        tiered_env(ctx.env, kTierArrival, kRoleCommon), BarrierTags{"gs0_combine", "nvl_combine", ""}, sym,
+        barrier_words(sym), ld_volatile_shared(ctx.misc) + 1u, cta_idx, num_ctas, thread_idx, []() { __syncthreads(); },
+        [&]() { combine::clean_recv_counts<kNumThreads>(sym, thread_idx); },
+        [&]() { combine::clean_local_counters<kNumThreads>(sym, cta_idx, num_ctas, thread_idx); });
+}
+
+// NOTES: each phase builds its own context from kernel constants (parameters, the shared-memory base): a
+// context built before the role split and used after it would keep its registers live through the 40-register
+// producer roles, which then spill.
+// WG0's registers after the split: the 40 of DESIGN 5 left the TMA-A warp (scheduler walk, pool-block waits)
+// spilling 148 B; 56 is what the register file leaves beside two 224-register math warpgroups (128 x 56 +
+// 256 x 224 = 64512).
+constexpr uint32_t kFusedWg0Regs = 56;
+
+template <typename T>
+MEGAMOE_DEVICE void fused_impl(const FusedMaps& maps, const SymBuffer& sym, const FusedParams& p,
+                               const DeviceEnv& env) {
+    extern __shared__ __align__(1024) uint8_t smem_buffer[];
+    fused_head<T>(FusedContext<T>(maps, sym, p, env, smem_buffer));
+    run_warp_roles<T::kNumMathWarpgroups, SpareWarpgroup::kKeepRegisters, kFusedWg0Regs>(
+        [&](uint32_t warp) { dispatch_role<T>(FusedContext<T>(maps, sym, p, env, smem_buffer), warp); },
+        [&]() { tma_a_role<T>(FusedContext<T>(maps, sym, p, env, smem_buffer)); },
+        [&]() { tma_b_role<T>(FusedContext<T>(maps, sym, p, env, smem_buffer)); },
+        [&](uint32_t math_wg_idx, uint32_t thread_in_wg) {
+            math_role<T>(FusedContext<T>(maps, sym, p, env, smem_buffer), math_wg_idx, thread_in_wg);
+        },
+        [&](uint32_t math_wg_idx, uint32_t) {
+            reduce_role<T>(FusedContext<T>(maps, sym, p, env, smem_buffer), math_wg_idx);
+        });
+    fused_tail<T>(FusedContext<T>(maps, sym, p, env, smem_buffer));
+}
+
+}  // namespace megamoe::assembler

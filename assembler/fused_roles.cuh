@@ -1,0 +1,295 @@
+// The warp roles of the fused kernel (fused_kernel.cuh runs them through common/kernel_skeleton.cuh). Each role is
+// a function of the one context the kernel builds after its prologue.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "combine/reduce.cuh"
+#include "combine/scatter.cuh"
+#include "common/fence.cuh"
+#include "common/sync.cuh"
+#include "fused_scheduler.cuh"
+#include "fused_traits.cuh"
+#include "gemm/consumer.cuh"
+#include "gemm/producer.cuh"
+
+namespace megamoe::assembler {
+
+// Named barriers among the math threads (0 is __syncthreads)
+constexpr uint32_t kL1StoreBarrierIdx = 1;      // L1 staging written -> one thread issues the TMA stores
+constexpr uint32_t kStagingFreeBarrierIdx = 2;  // every reader of the shared staging area is done with it
+constexpr uint32_t kL2StagedBarrierIdx = 3;     // L2 staging written -> rows scattered
+constexpr uint32_t kL2ScatteredBarrierIdx = 4;  // every math thread's combine stores of the tile are issued
+
+// The receive table's per-expert row counts, as the scheduler reads them
+// (the pair prefix only: one pointer of state in the scheduler).
+struct TableCounts {
+    const uint32_t* pair_prefix;
+    MEGAMOE_DEVICE uint32_t operator()(uint32_t expert) const {
+        return pair_prefix[(expert + 1) * layout::kNumRanks] - pair_prefix[expert * layout::kNumRanks];
+    }
+};
+
+template <typename T>
+using FusedSchedulerOf = FusedScheduler<T::BLOCK_M, T::kNumL1NBlocks, T::kNumL2NBlocks, T::kNumExperts,
+                                        T::kExpertsPerWave, T::kNMajorL2, TableCounts>;
+
+// Everything the roles share, built once after the prologue's shared-memory carve-up.
+template <typename T>
+struct FusedContext {
+    const FusedMaps& maps;
+    const SymBuffer& sym;
+    const FusedParams& p;
+    const DeviceEnv& env;
+    uint8_t* smem;
+    gemm::GemmSmem<typename T::L1> smem_l1;
+    gemm::GemmSmem<typename T::L2> smem_l2;
+    gemm::Pipeline<T::kNumStages> pipeline;
+    uint64_t* pull_barriers;
+    uint32_t* expert_count;
+    uint32_t* misc;  // misc region: [0] the dispatch barrier's NVLink ordinal, [1] blockIdx.x, [2] gridDim.x
+    dispatch::RecvTable table;
+    TableCounts counts;
+
+    MEGAMOE_DEVICE FusedContext(const FusedMaps& maps_, const SymBuffer& sym_, const FusedParams& p_,
+                                const DeviceEnv& env_, uint8_t* smem_)
+        : maps(maps_), sym(sym_), p(p_), env(env_), smem(smem_), smem_l1{smem_}, smem_l2{smem_},
+          pipeline{smem_l2.full_barriers(), smem_l2.empty_barriers()},
+          pull_barriers(reinterpret_cast<uint64_t*>(smem_ + T::kOffsetPullBarriers)),
+          expert_count(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetExpertCount)),
+          misc(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetMisc)),
+          table(dispatch::make_recv_table(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetRecvTable))),
+          counts{table.pair_prefix} {}
+
+    // After the head: this CTA's index and the grid size, from shared memory (utils.cuh: ld_volatile_shared)
+    MEGAMOE_DEVICE uint32_t cta_idx() const { return ld_volatile_shared(misc + 1); }
+    MEGAMOE_DEVICE uint32_t num_ctas() const { return ld_volatile_shared(misc + 2); }
+
+    MEGAMOE_DEVICE uint32_t* pool_counter(uint64_t region_offset, uint32_t pool_block) const {
+        return sym.local<uint32_t>(region_offset) + pool_block;
+    }
+};
+
+// Dispatch warps: pull this CTA's share of the received rows (global pulling warp cta * 2 + warp).
+template <typename T>
+MEGAMOE_DEVICE void dispatch_role(const FusedContext<T>& ctx, uint32_t warp) {
+    dispatch::pull_rows_pipelined<T::BLOCK_M, T::kPullStages, false>(
+        tiered_env(ctx.env, kTierPeer, kRoleDispatch), ctx.sym, ctx.table,
+        ctx.smem + T::kOffsetPull + warp * T::kPullStages * dispatch::kPullStageBytes,
+        ctx.pull_barriers + warp * T::kPullStages, ctx.cta_idx() * kNumDispatchWarps + warp,
+        ctx.num_ctas() * kNumDispatchWarps);
+}
+
+// Wait until `counter` reaches `target`, then let the async proxy read what it publishes.
+// NOTES: the ld.acquire.gpu pairs with the writers' red.release.gpu (the pull's release of each row, issued after
+// its bulk store completed and its generic stores were fenced for the async proxy; the L1 epilogue's release after
+// its TMA stores completed); fence.proxy.async.global after the acquire and before this warp's TMA loads
+// (DESIGN 5b, 5c).
+MEGAMOE_DEVICE void wait_pool_counter(const DeviceEnv& env, const char* tag, const uint32_t* counter,
+                                      uint32_t target, uint32_t pool_block) {
+    bounded_wait<false>(
+        env, tag, [&]() { return ptx::ld_acquire<ptx::Scope::kGpu>(counter) >= target; },
+        [&]() { return make_longlong3(ptx::ld_relaxed<ptx::Scope::kGpu>(counter), target, pool_block); });
+    ptx::fence_proxy_async_global();
+}
+
+// Phase-serial debug order: wait until every pool block of this call has arrived.
+template <typename T>
+MEGAMOE_DEVICE void wait_every_pool_block(const FusedContext<T>& ctx, const DeviceEnv& env) {
+    for (uint32_t e = 0; e < T::kNumExperts; ++ e) {
+        const uint32_t num_rows = ctx.table.expert_count(e), first_block = ctx.table.pool_offset[e] / T::BLOCK_M;
+        for (uint32_t m = 0; m * T::BLOCK_M < num_rows; ++ m)
+            wait_pool_counter(env, "l1_arrival_all", ctx.pool_counter(layout::kL1ArrivalCountOffset, first_block + m),
+                              min(T::BLOCK_M, num_rows - m * T::BLOCK_M), first_block + m);
+    }
+}
+
+// TMA-A warp (lane 0 issues): activation tiles, after their pool block is ready.
+template <typename T>
+MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
+    if (lane_idx() != 0)
+        return;
+    // (the tiered environments are built at each wait: kept live across the loop, they cost the warp's 40 registers)
+    gemm::PipelineState<T::kNumStages> state;
+    FusedSchedulerOf<T> scheduler(ctx.counts, ctx.cta_idx(), ctx.num_ctas());
+    FusedTask task;
+    bool waited_all = false;
+    while (scheduler.next(task)) {
+        const uint32_t pool_row = task.pool_block_idx * T::BLOCK_M;
+        if (task.phase == FusedPhase::kL1) {
+            if (T::kSerial and not waited_all) {
+                wait_every_pool_block(ctx, tiered_env(ctx.env, kTierArrival, kRoleProducer));
+                waited_all = true;
+            }
+            wait_pool_counter(tiered_env(ctx.env, kTierArrival, kRoleProducer), "l1_arrival",
+                              ctx.pool_counter(layout::kL1ArrivalCountOffset, task.pool_block_idx),
+                              task.num_valid_rows, task.pool_block_idx);
+            gemm::produce_a_tile<typename T::L1>(ctx.pipeline, state, ctx.smem_l1, ctx.maps.l1_a, ctx.maps.l1_sfa,
+                                                 pool_row, tiered_env(ctx.env, kTierPipeline, kRoleProducer));
+        } else {
+            wait_pool_counter(tiered_env(ctx.env, kTierPipeline, kRoleProducer), "l1_done", ctx.pool_counter(layout::kL1DoneCountOffset,
+                                                                        task.pool_block_idx),
+                              T::kNumL1NBlocks, task.pool_block_idx);
+            gemm::produce_a_tile<typename T::L2>(ctx.pipeline, state, ctx.smem_l2, ctx.maps.l2_a, ctx.maps.l2_sfa,
+                                                 pool_row, tiered_env(ctx.env, kTierPipeline, kRoleProducer));
+        }
+    }
+}
+
+// TMA-B warp (lane 0 issues): weight tiles.
+template <typename T>
+MEGAMOE_DEVICE void tma_b_role(const FusedContext<T>& ctx) {
+    if (lane_idx() != 0)
+        return;
+    gemm::PipelineState<T::kNumStages> state;
+    FusedSchedulerOf<T> scheduler(ctx.counts, ctx.cta_idx(), ctx.num_ctas());
+    FusedTask task;
+    while (scheduler.next(task)) {
+        if (task.phase == FusedPhase::kL1)
+            gemm::produce_b_tile<typename T::L1>(ctx.pipeline, state, ctx.smem_l1, ctx.maps.w1,
+                                                 task.expert_idx * T::L1::SHAPE_N + task.n_block_idx * 128,
+                                                 tiered_env(ctx.env, kTierPipeline, kRoleProducer));
+        else
+            gemm::produce_b_tile<typename T::L2>(ctx.pipeline, state, ctx.smem_l2, ctx.maps.w2,
+                                                 task.expert_idx * T::L2::SHAPE_N + task.n_block_idx * 128,
+                                                 tiered_env(ctx.env, kTierPipeline, kRoleProducer));
+    }
+}
+
+// L2 epilogue, second half: the staged BF16 rows' 256 B slices go to their source ranks' combine rows; the tile
+// is counted for its pool block, and the tile that completes the block signals each of its rows once.
+// NOTES: pool_src_metadata was written by the pull in this launch: each warp's lane 0 acquires the block's
+// arrival count (complete long before: the block's L1 tiles needed it) and __syncwarp extends the order to the
+// other lanes, whose ld.relaxed.gpu then see the metadata (never __ldg). The kL2ScatteredBarrierIdx barrier
+// orders every math thread's combine stores before thread 0's acq_rel add; the add that completes the block
+// acquires every earlier tile's release (the release sequence of the adds), and __syncwarp orders that before
+// the lanes' red.release.sys signals, which carry all the block's rows (cumulativity) to the source rank's
+// ld.acquire.sys in the reduce (combine/reduce.cuh: reduce_token_chunks).
+template <typename T>
+MEGAMOE_DEVICE void l2_scatter(const FusedContext<T>& ctx, const FusedTask& task, const uint8_t* staging,
+                               uint32_t math_thread_idx) {
+    constexpr uint32_t kNumRowChunks = T::L2Staging::kNumRowChunks;
+    const uint32_t lane = lane_idx(), pool_row = task.pool_block_idx * T::BLOCK_M;
+    if (lane == 0)
+        ptx::ld_acquire<ptx::Scope::kGpu>(ctx.pool_counter(layout::kL1ArrivalCountOffset, task.pool_block_idx));
+    __syncwarp();
+    for (uint32_t i = math_thread_idx; i < task.num_valid_rows * kNumRowChunks; i += T::kNumMathThreads) {
+        const uint32_t row = i / kNumRowChunks, chunk = i % kNumRowChunks;
+        const uint4 meta = ptx::ld_relaxed_gpu_v4(dispatch::pool_src_metadata(ctx.sym, pool_row + row));
+        combine::store_combine_chunk(combine::combine_row(ctx.sym, meta.x, meta.y, meta.z),
+                                     task.n_block_idx * 128 + chunk * epilogue::kChunkCols,
+                                     epilogue::l2_load_staged_chunk<T::BLOCK_M>(staging, row, chunk));
+    }
+    ptx::named_barrier_sync<kL2ScatteredBarrierIdx, T::kNumMathThreads>();
+    if (math_thread_idx < 32) {
+        uint32_t done = 0;
+        if (lane == 0)
+            done = ptx::atom_add_acq_rel<ptx::Scope::kGpu>(
+                       ctx.pool_counter(layout::kL2DoneCountOffset, task.pool_block_idx), 1u) + 1u;
+        done = __shfl_sync(0xffffffffu, done, 0);
+        if (done == T::kNumL2NBlocks) {
+            __syncwarp();
+            for (uint32_t row = lane; row < task.num_valid_rows; row += 32) {
+                const uint4 meta = ptx::ld_relaxed_gpu_v4(dispatch::pool_src_metadata(ctx.sym, pool_row + row));
+                ptx::red_add_release<ptx::Scope::kSys>(combine::combine_arrival_count(ctx.sym, meta.x, meta.y), 1u);
+            }
+        }
+    }
+}
+
+// The top-k reduce of this rank's tokens: the 8 warps of both math warpgroups of every CTA.
+template <typename T>
+MEGAMOE_DEVICE void reduce_tokens(const FusedContext<T>& ctx, uint32_t math_wg_idx) {
+    const uint32_t warp_in_math = math_wg_idx * 4 + (threadIdx.x / 32) % 4;
+    combine::reduce_token_chunks<T::kReduceVecs, true, false>(
+        tiered_env(ctx.env, kTierCombine, kRoleMath), ctx.sym, ctx.p.num_tokens,
+        static_cast<__nv_bfloat16*>(ctx.p.y), ctx.cta_idx() * T::kNumReduceWarps + warp_in_math,
+        ctx.num_ctas() * T::kNumReduceWarps);
+}
+
+// The spare math warpgroup (BLOCK_M <= 64): the reduce only.
+template <typename T>
+MEGAMOE_DEVICE void reduce_role(const FusedContext<T>& ctx, uint32_t math_wg_idx) {
+    reduce_tokens<T>(ctx, math_wg_idx);
+}
+
+// Math warpgroups: every tile of this CTA's task list, then the reduce.
+template <typename T>
+MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, uint32_t thread_in_wg) {
+    using L1 = typename T::L1;
+    using L2 = typename T::L2;
+    constexpr uint32_t kNumMathThreads = T::kNumMathThreads;
+    const uint32_t lane = thread_in_wg % 32;
+    const uint32_t math_thread_idx = threadIdx.x - kFirstMathThread;
+    const bool is_store_thread = math_thread_idx == 0;
+    const AccFragment frag = AccFragment::of(math_wg_idx, thread_in_wg);
+    uint8_t* staging = ctx.smem + T::kOffsetStaging;
+    const epilogue::L1EpilogueArgs l1_args{
+        ctx.maps.act_store, dispatch::pool_topk_weight(ctx.sym, 0),
+        ctx.sym.template local<float>(layout::kL2ActsSfOffset),
+        ctx.sym.template local<uint32_t>(layout::kL1DoneCountOffset), layout::kNumPoolTokens, ctx.p.clamp};
+    epilogue::L1EpilogueState l1_state;
+    bool staging_held_by_l2 = false;
+
+    // A task's weight SFs (gemm::WeightScales), loaded before the previous task's epilogue to hide the latency
+    const auto load_weight_scales = [&](const FusedTask& t) {
+        return t.phase == FusedPhase::kL1
+            ? gemm::WeightScales::load<L1>(ctx.p.w1_sf, t.expert_idx, t.n_block_idx, lane)
+            : gemm::WeightScales::load<L2>(ctx.p.w2_sf, t.expert_idx, t.n_block_idx, lane);
+    };
+    gemm::PipelineState<T::kNumStages> state;
+    FusedSchedulerOf<T> scheduler(ctx.counts, ctx.cta_idx(), ctx.num_ctas());
+    FusedTask task, next_task;
+    bool has_task = scheduler.next(task);
+    gemm::WeightScales weight_scales{};
+    if (has_task)
+        weight_scales = load_weight_scales(task);
+    const auto locate_next = [&](FusedTask& next) {
+        const bool found = scheduler.next(next);
+        if (found)
+            weight_scales = load_weight_scales(next);
+        return found;
+    };
+    for (; has_task; task = next_task) {
+        const epilogue::EpilogueTile out_tile{task.pool_block_idx * T::BLOCK_M, task.n_block_idx,
+                                              task.num_valid_rows};
+        float acc[epilogue::kNumAccum];
+        #pragma unroll
+        for (uint32_t i = 0; i < epilogue::kNumAccum; ++ i)
+            acc[i] = 0.0f;
+
+        if (task.phase == FusedPhase::kL1) {
+            gemm::consume_tile<L1>(ctx.pipeline, state, ctx.smem_l1, weight_scales, math_wg_idx, thread_in_wg, acc,
+                                   tiered_env(ctx.env, kTierPipeline, kRoleMath));
+            has_task = locate_next(next_task);
+            // The L1 buffers alias the L2 staging: wait for its readers
+            if (staging_held_by_l2)
+                ptx::named_barrier_sync<kStagingFreeBarrierIdx, kNumMathThreads>();
+            staging_held_by_l2 = false;
+            epilogue::l1_epilogue<T::BLOCK_M, kNumMathThreads, kL1StoreBarrierIdx, T::kClamp, T::kFastMath>(
+                acc, frag, out_tile, staging, l1_args, is_store_thread, l1_state);
+        } else {
+            // Publish the last L1 tile before waiting for any L2 input (this CTA's L2 producer may need it)
+            if (is_store_thread)
+                l1_state.publish_pending();
+            gemm::consume_tile<L2>(ctx.pipeline, state, ctx.smem_l2, weight_scales, math_wg_idx, thread_in_wg, acc,
+                                   tiered_env(ctx.env, kTierPipeline, kRoleMath));
+            has_task = locate_next(next_task);
+
+            // Stage as BF16 rows once every earlier reader of the staging area is done (the L1 stores were
+            // waited for above, by the thread that issued them, before it reached this barrier)
+            ptx::named_barrier_sync<kStagingFreeBarrierIdx, kNumMathThreads>();
+            if (frag.warp_row() < T::BLOCK_M)
+                epilogue::l2_stage_bf16<T::BLOCK_M>(acc, frag, staging);
+            ptx::named_barrier_sync<kL2StagedBarrierIdx, kNumMathThreads>();
+            l2_scatter<T>(ctx, task, staging, math_thread_idx);
+            staging_held_by_l2 = true;
+        }
+    }
+    // The last L1 stores complete and are published before any wait of the reduce
+    if (is_store_thread)
+        l1_state.publish_pending();
+    reduce_tokens<T>(ctx, math_wg_idx);
+}
+
+}  // namespace megamoe::assembler

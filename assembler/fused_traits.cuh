@@ -1,0 +1,102 @@
+// Compile-time shape and shared-memory plan of the fused kernel (mirrored by megamoe/fused/config.py: FusedConfig,
+// which the generated source checks with static_asserts). The model's shape comes from the layout header
+// (namespace megamoe::layout), included before this file.
+#pragma once
+
+#include <cuda.h>
+
+#include "common/kernel_skeleton.cuh"
+#include "dispatch/pull.cuh"
+#include "dispatch/recv_table.cuh"
+#include "epilogue/l1_epilogue.cuh"
+#include "epilogue/l2_epilogue.cuh"
+#include "gemm/traits.cuh"
+#include "shared_ring.cuh"
+
+namespace megamoe::assembler {
+
+// kSerial (debug, phase-serial): the TMA-A warp waits until every pool block has arrived before its first tile.
+template <uint32_t BLOCK_M_, uint32_t kNumStages_, uint32_t kPullStages_, uint32_t kExpertsPerWave_,
+          bool kNMajorL2_, bool kClamp_, bool kFastMath_, bool kSerial_>
+struct FusedTraits {
+    static constexpr uint32_t BLOCK_M = BLOCK_M_;
+    static constexpr uint32_t kNumStages = kNumStages_;
+    static constexpr uint32_t kPullStages = kPullStages_;
+    static constexpr uint32_t kExpertsPerWave = kExpertsPerWave_;
+    static constexpr bool kNMajorL2 = kNMajorL2_;
+    static constexpr bool kClamp = kClamp_;
+    static constexpr bool kFastMath = kFastMath_;
+    static constexpr bool kSerial = kSerial_;
+    static constexpr uint32_t kHidden = layout::kHidden;
+    static constexpr uint32_t kIntermediate = layout::kIntermediate;
+    static constexpr uint32_t kNumExperts = layout::kNumLocalExperts;  // the GEMM groups: this rank's experts
+    static constexpr uint32_t kReduceVecs = 2;  // combine/reduce.cuh: 16 B vectors per lane and slot
+
+    using L1Base = gemm::GemmTraits<BLOCK_M, kNumStages, gemm::ScaleMode::kL1GateUp, 2 * kIntermediate, kHidden>;
+    using L2Base = gemm::GemmTraits<BLOCK_M, kNumStages, gemm::ScaleMode::kL2Per64, kHidden, kIntermediate>;
+    using L1 = SharedRingTraits<L1Base, L2Base::kStageBytesSfa>;
+    using L2 = SharedRingTraits<L2Base, L2Base::kStageBytesSfa>;
+    static_assert(L1::kOffsetB == L2::kOffsetB and L1::kOffsetSfa == L2::kOffsetSfa and
+                  L1::kOffsetBarriers == L2::kOffsetBarriers, "one ring for both phases");
+
+    static constexpr uint32_t kNumMathWarpgroups = L1::kNumMathWarpgroups;
+    static constexpr uint32_t kNumMathThreads = L1::kNumMathThreads;
+    static constexpr uint32_t kNumMathWarps = L1::kNumMathWarps;
+    static constexpr uint32_t kNumReduceWarps = 8;  // both math warpgroups reduce (a spare one keeps its registers)
+    static constexpr uint32_t kNumL1NBlocks = L1::kNumNBlocks;  // 2 I / 128: an L2 pool block's L1 dependencies
+    static constexpr uint32_t kNumL2NBlocks = L2::kNumNBlocks;  // H / 128: an L2 pool block's tiles
+    static_assert(kNumL1NBlocks * epilogue::kL1OutputCols == kIntermediate, "each L1 tile yields 64 of I columns");
+    static_assert(BLOCK_M <= layout::kMaxBlockM and layout::kNumPoolTokens % 4 == 0, "pool sized for BLOCK_M");
+
+    // Shared memory, in this order (offsets from the 1024 B aligned base):
+    //   ring         A, B, SFA stages and the ring's barriers (SharedRingTraits)
+    //   staging      L1 double buffer | L2 BF16 rows (a union: never live at the same time), 1024 aligned
+    //   pull         kNumDispatchWarps x kPullStages stages of dispatch/pull.cuh (row + SF row), 128 aligned
+    //   pull_bars    one mbarrier per pull stage
+    //   expert_count E words: count_and_notify's per-expert counts (before the role split only)
+    //   recv_table   dispatch/recv_table.cuh
+    //   misc         16 B: the NVLink barrier ordinal read at kernel start (for the tail: nothing computed before
+    //                the role split stays live in registers across it)
+    using L1Staging = epilogue::L1Staging<BLOCK_M>;
+    using L2Staging = epilogue::L2Staging<BLOCK_M>;
+    static constexpr uint32_t kOffsetStaging = align_up<uint32_t>(L2::kSmemBytes, 1024);
+    static constexpr uint32_t kStagingBytes =
+        L1Staging::kBytes > L2Staging::kBytes ? L1Staging::kBytes : L2Staging::kBytes;
+    static constexpr uint32_t kOffsetPull = align_up<uint32_t>(kOffsetStaging + kStagingBytes, 128);
+    static constexpr uint32_t kPullBytes = kNumDispatchWarps * kPullStages * dispatch::kPullStageBytes;
+    static constexpr uint32_t kOffsetPullBarriers = kOffsetPull + kPullBytes;
+    static constexpr uint32_t kOffsetExpertCount = kOffsetPullBarriers + kNumDispatchWarps * kPullStages * 8;
+    static constexpr uint32_t kOffsetRecvTable =
+        align_up<uint32_t>(kOffsetExpertCount + layout::kNumExperts * 4, 16);
+    static constexpr uint32_t kOffsetMisc = align_up<uint32_t>(kOffsetRecvTable + dispatch::kRecvTableWords * 4, 16);
+    static constexpr uint32_t kSmemBytes = kOffsetMisc + 16;
+    static_assert(kSmemBytes <= kSmemLimit, "shared memory over the SM90 per-block limit");
+    static_assert(kPullStages >= 1 and kPullStages <= 8, "1..8 rows in flight per dispatch warp");
+};
+
+// Global memory besides the symmetric buffer and the tensor maps (one struct: the launch passes it by value).
+struct FusedParams {
+    const float* w1_sf;   // [E_local, 2I/128, H/128]
+    const float* w2_sf;   // [E_local, H/128, I/128]
+    void* y;              // BF16 [T, H]
+    int32_t* recv_stats;  // [E_local] or nullptr: += rows received per local expert
+    uint32_t num_tokens;  // T of this rank
+    uint32_t debug_flags; // kDebugHangAtDispatchBarrier
+    float clamp;          // activation clamp (read only when compiled with it)
+    uint32_t reserved;
+};
+
+constexpr uint32_t kDebugHangAtDispatchBarrier = 1u;  // the dispatch barrier waits for an unreachable value
+
+// The tensor maps (each a __grid_constant__ kernel parameter; pointers to them here).
+struct FusedMaps {
+    const CUtensorMap* l1_a;       // pool [P, H] e4m3, box {128, BLOCK_M}, 128 B swizzle
+    const CUtensorMap* l1_sfa;     // [H/128][P] f32, box {BLOCK_M, 1}
+    const CUtensorMap* w1;         // [E_local * 2I, H] e4m3, box {128, 128}, 128 B swizzle
+    const CUtensorMap* l2_a;       // L2 activations [P, I] e4m3, box {128, BLOCK_M}, 128 B swizzle
+    const CUtensorMap* l2_sfa;     // [I/64][P] f32, box {BLOCK_M, 2}
+    const CUtensorMap* w2;         // [E_local * H, I] e4m3, box {128, 128}, 128 B swizzle
+    const CUtensorMap* act_store;  // L2 activations [P, I] e4m3, box {64, BLOCK_M}, no swizzle
+};
+
+}  // namespace megamoe::assembler

@@ -1,0 +1,137 @@
+"""The fused kernel's compile-time config and its shared-memory plan (mirrors assembler/fused_traits.cuh:
+FusedTraits; the generated source static_asserts every offset). Chosen only from values every rank shares: the
+buffer's layout and an optional `expected_tokens_per_expert` (DESIGN section 5), never the local token count."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megamoe import envs, heuristics
+from megamoe.heuristics import MAX_NUM_STAGES, MIN_NUM_STAGES, SMEM_CAPACITY_BYTES
+from megamoe.layout import BLOCK_M_CANDIDATES, SymmLayout, align
+
+BLOCK_N = BLOCK_K = 128
+NUM_DISPATCH_WARPS = 2  # common/kernel_skeleton.cuh: kNumDispatchWarps
+MBARRIER_BYTES = 8
+L1_OUTPUT_COLS = 64  # one interleaved 128-column L1 tile yields 64 output columns
+DEFAULT_PULL_STAGES = 4  # rows in flight per dispatch warp (notes/fused.md: 2 warps x 4 stages)
+
+
+def pull_stage_bytes(hidden: int) -> int:
+    """dispatch/pull.cuh kPullStageBytes: the row, then (when H % 512 == 0) its SF row, 128 B aligned."""
+    sf = hidden // 128 * 4 if (hidden // 128) % 4 == 0 else 0
+    return align(align(hidden, 16) + sf, 128)
+
+
+def recv_table_words(layout: SymmLayout) -> int:
+    """dispatch/recv_table.cuh kRecvTableWords."""
+    return layout.num_local_experts * layout.num_ranks + 1 + layout.num_local_experts + 1
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """One compiled variant of the fused kernel for one buffer layout.
+
+    serial: the debug phase-serial order (the TMA-A warp waits for every pool block before its first tile).
+    num_stages 0: as many GEMM stages as fit (at most MAX_NUM_STAGES)."""
+
+    layout: SymmLayout
+    block_m: int
+    num_experts_per_wave: int
+    n_major_l2: bool
+    clamp: bool = False
+    fast_math: bool = True
+    serial: bool = True
+    pull_stages: int = DEFAULT_PULL_STAGES
+    num_stages: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_m not in BLOCK_M_CANDIDATES:
+            raise ValueError(f"block_m must be one of {BLOCK_M_CANDIDATES}, got {self.block_m!r}")
+        if not 1 <= self.num_experts_per_wave <= self.layout.num_local_experts:
+            raise ValueError(f"num_experts_per_wave must be in [1, {self.layout.num_local_experts}], "
+                             f"got {self.num_experts_per_wave!r}")
+        if not 1 <= self.pull_stages <= 8:
+            raise ValueError(f"pull_stages must be in [1, 8], got {self.pull_stages!r}")
+        if self.num_stages == 0:
+            free = SMEM_CAPACITY_BYTES - self.fixed_bytes - 1024  # at most 1023 B of alignment before staging
+            object.__setattr__(self, "num_stages", min(MAX_NUM_STAGES, free // self.stage_bytes))
+        if self.num_stages < MIN_NUM_STAGES or self.smem_bytes > SMEM_CAPACITY_BYTES:
+            raise ValueError(f"{self.name}: {self.num_stages} GEMM stages need {self.smem_bytes} B of shared memory "
+                             f"(limit {SMEM_CAPACITY_BYTES}, at least {MIN_NUM_STAGES} stages)")
+
+    # Shared-memory plan (FusedTraits): [ring][staging][pull][pull barriers][expert count][receive table][misc]
+    @property
+    def stage_bytes(self) -> int:
+        """One GEMM stage: A (64 rows at least), B, SFA sized for L2's two per-64 SFs, its two barriers."""
+        return (max(self.block_m, 64) * BLOCK_K + BLOCK_N * BLOCK_K + align(2 * self.block_m * 4, 128)
+                + 2 * MBARRIER_BYTES)
+
+    @property
+    def staging_bytes(self) -> int:
+        """L1 double buffer (FP8 tile + SFs) or L2 BF16 rows, whichever is larger."""
+        l1 = 2 * align(self.block_m * L1_OUTPUT_COLS + self.block_m * 4, 128)
+        return max(l1, self.block_m * BLOCK_N * 2)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Everything after the staging area, from its start (alignment padding excluded)."""
+        return self.smem_bytes - self.staging_offset
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.num_stages * self.stage_bytes if self.num_stages else 0
+
+    @property
+    def staging_offset(self) -> int:
+        return align(self.ring_bytes, 1024)
+
+    @property
+    def pull_offset(self) -> int:
+        return align(self.staging_offset + self.staging_bytes, 128)
+
+    @property
+    def pull_barriers_offset(self) -> int:
+        return self.pull_offset + NUM_DISPATCH_WARPS * self.pull_stages * pull_stage_bytes(self.layout.hidden)
+
+    @property
+    def expert_count_offset(self) -> int:
+        return self.pull_barriers_offset + NUM_DISPATCH_WARPS * self.pull_stages * MBARRIER_BYTES
+
+    @property
+    def recv_table_offset(self) -> int:
+        return align(self.expert_count_offset + self.layout.num_experts * 4, 16)
+
+    @property
+    def misc_offset(self) -> int:
+        """16 B: the NVLink barrier ordinal, kept for the kernel's tail."""
+        return align(self.recv_table_offset + recv_table_words(self.layout) * 4, 16)
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.misc_offset + 16
+
+    @property
+    def name(self) -> str:
+        lay = self.layout
+        flags = (f"{'_clamp' if self.clamp else ''}{'_fast' if self.fast_math else ''}"
+                 f"{'_serial' if self.serial else ''}")
+        return (f"megamoe_fused_r{lay.num_ranks}_e{lay.num_experts}_t{lay.num_max_tokens_per_rank}_k{lay.num_topk}"
+                f"_h{lay.hidden}_i{lay.intermediate}_bm{self.block_m}_w{self.num_experts_per_wave}"
+                f"_{'n' if self.n_major_l2 else 'm'}_p{self.pull_stages}_s{self.num_stages}{flags}")
+
+
+def config_for(layout: SymmLayout, *, expected_tokens_per_expert: float | None = None, clamp: bool = False,
+               fast_math: bool = True, serial: bool = True, num_sms: int = heuristics.DEFAULT_NUM_SMS,
+               pull_stages: int = DEFAULT_PULL_STAGES) -> FusedConfig:
+    """The variant every rank of `layout` picks: BLOCK_M, wave size and L2 order from the values all ranks share
+    (heuristics), or from `expected_tokens_per_expert` when given (the same on every rank)."""
+    lay = layout
+    expected = (heuristics.default_expected_tokens_per_expert(lay.num_ranks, lay.num_experts,
+                                                               lay.num_max_tokens_per_rank, lay.num_topk)
+                if expected_tokens_per_expert is None else float(expected_tokens_per_expert))
+    block_m = heuristics.block_m_for(expected)
+    override = envs.n_major_override()
+    n_major = expected >= heuristics.N_MAJOR_THRESHOLD if override == -1 else bool(override)
+    wave = heuristics.num_experts_per_wave_for(lay.num_local_experts, expected, block_m, lay.intermediate, num_sms)
+    return FusedConfig(lay, block_m, wave, n_major, clamp=clamp, fast_math=fast_math, serial=serial,
+                       pull_stages=pull_stages)

@@ -1,0 +1,73 @@
+"""gpu tier: the fused kernel end to end on one H200 (megamoe.fused.run) against megamoe.reference.moe.
+
+Every call: fresh random inputs (seed printed), y and the pool, L2 activations and combine rows poisoned (NaN
+bytes) before the launch, the CUDA error state checked, the workspace counters zero afterwards (the kernel cleans
+them). Measured values are printed: run with -s."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from megamoe import reference, weights  # noqa: E402
+from megamoe.buffer import allocate  # noqa: E402
+from megamoe.layout import SymmLayout  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# Provisional, to be set from the H200 measurement of these cases: y rel-L2 against the exact-quantization
+# reference (the expert-FFN unit kernel measured 1.1-1.2% of FP8 codes one step off, which moves y by ~1e-3).
+MAX_Y_REL_L2 = 2e-2
+WORKSPACE_COUNTERS = ("expert_send_count", "expert_recv_count", "l1_arrival_count", "l1_done_count",
+                      "l2_done_count", "combine_arrival_count")
+
+
+def _seed() -> int:
+    return random.SystemRandom().randrange(1 << 31)
+
+
+def _poison(buf) -> None:
+    for name in ("l1_acts", "l2_acts"):
+        buf.view(name).view(torch.uint8).fill_(0x7F)  # FP8 NaN
+    for name in ("l1_acts_sf", "l2_acts_sf", "l1_topk_weights"):
+        buf.view(name).fill_(float("nan"))
+    buf.view("combine").fill_(float("nan"))
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 128])
+@pytest.mark.parametrize("num_experts,num_topk,hidden,intermediate", [(8, 6, 1024, 512), (32, 8, 2048, 1024)])
+@pytest.mark.parametrize("serial", [True])
+def test_fused_matches_reference(num_tokens: int, num_experts: int, num_topk: int, hidden: int, intermediate: int,
+                                 serial: bool) -> None:
+    from megamoe import fused
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device("cuda")
+    max_tokens = 128
+    case = reference.random_case(num_tokens, hidden, intermediate, num_experts, num_topk, mask_prob=0.1,
+                                 generator=gen)
+    layout = SymmLayout.create(1, num_experts, max_tokens, num_topk, hidden, intermediate)
+    buf = allocate(None, layout, device)
+    l1_nat = tuple(t.to(device) for t in case.l1_weights[0])
+    l2_nat = tuple(t.to(device) for t in case.l2_weights[0])
+    l1, l2 = weights.transform_weights(l1_nat, l2_nat)
+    for call in range(2):  # twice: the second call runs on the workspace the first one cleaned
+        _poison(buf)
+        buf.x[:num_tokens].copy_(case.x[0])
+        buf.x_sf[:num_tokens].copy_(case.x_sf[0])
+        buf.topk_idx[:num_tokens].copy_(case.topk_idx[0])
+        buf.topk_weights[:num_tokens].copy_(case.topk_weights[0])
+        y = torch.full((num_tokens, hidden), float("nan"), dtype=torch.bfloat16, device=device)
+        config = fused.run(y, l1, l2, buf, num_tokens, serial=serial)
+        torch.cuda.synchronize()
+        y_ref = reference.moe(case.x[0], case.x_sf[0], case.topk_idx[0], case.topk_weights[0],
+                              case.l1_weights[0], case.l2_weights[0], fast_math=True)
+        err = reference.rel_l2(y.float().cpu(), y_ref.float())
+        print(f"seed {seed} {config.name} call {call}: y rel-L2 {err:.3e}")
+        assert torch.isfinite(y).all(), f"seed {seed}: y holds non-finite values"
+        assert err <= MAX_Y_REL_L2, f"seed {seed}: y rel-L2 {err:.3e} > {MAX_Y_REL_L2}"
+        for name in WORKSPACE_COUNTERS:
+            assert int(buf.view(name).abs().sum()) == 0, f"seed {seed}: {name} not cleaned after call {call}"
