@@ -57,6 +57,7 @@ def _expected_shapes(layout: SymmLayout) -> dict[str, tuple[str, tuple[int, ...]
         "src_token_topk_idx": ("uint32", (el, r, t)),
         "l1_arrival_count": ("uint32", (b,)),
         "l1_done_count": ("uint32", (b,)),
+        "l2_done_count": ("uint32", (b,)),
         "combine_arrival_count": ("uint32", (t,)),
         "pool_src_metadata": ("uint32", (p, 4)),
         "x": ("float8_e4m3fn", (t, h)),
