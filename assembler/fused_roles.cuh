@@ -21,18 +21,20 @@ constexpr uint32_t kStagingFreeBarrierIdx = 2;  // every reader of the shared st
 constexpr uint32_t kL2StagedBarrierIdx = 3;     // L2 staging written -> rows scattered
 constexpr uint32_t kL2ScatteredBarrierIdx = 4;  // every math thread's combine stores of the tile are issued
 
-// The receive table's per-expert row counts, as the scheduler reads them
-// (the pair prefix only: one pointer of state in the scheduler).
+// The receive table's per-expert row counts, as the scheduler reads them: stateless (the table sits at a fixed
+// offset of the dynamic shared memory), so the scheduler carries no pointer through the math warps' mainloop.
+template <uint32_t kOffsetRecvTable>
 struct TableCounts {
-    const uint32_t* pair_prefix;
     MEGAMOE_DEVICE uint32_t operator()(uint32_t expert) const {
+        extern __shared__ __align__(1024) uint8_t smem_buffer[];
+        const uint32_t* pair_prefix = reinterpret_cast<const uint32_t*>(smem_buffer + kOffsetRecvTable);
         return pair_prefix[(expert + 1) * layout::kNumRanks] - pair_prefix[expert * layout::kNumRanks];
     }
 };
 
 template <typename T>
 using FusedSchedulerOf = FusedScheduler<T::BLOCK_M, T::kNumL1NBlocks, T::kNumL2NBlocks, T::kNumExperts,
-                                        T::kExpertsPerWave, T::kNMajorL2, TableCounts>;
+                                        T::kExpertsPerWave, T::kNMajorL2, TableCounts<T::kOffsetRecvTable>>;
 
 // Everything the roles share, built once after the prologue's shared-memory carve-up.
 template <typename T>
@@ -49,7 +51,7 @@ struct FusedContext {
     uint32_t* expert_count;
     uint32_t* misc;  // misc region: [0] the dispatch barrier's NVLink ordinal, [1] blockIdx.x, [2] gridDim.x
     dispatch::RecvTable table;
-    TableCounts counts;
+    TableCounts<T::kOffsetRecvTable> counts;
 
     MEGAMOE_DEVICE FusedContext(const FusedMaps& maps_, const SymBuffer& sym_, const FusedParams& p_,
                                 const DeviceEnv& env_, uint8_t* smem_)
@@ -59,7 +61,7 @@ struct FusedContext {
           expert_count(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetExpertCount)),
           misc(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetMisc)),
           table(dispatch::make_recv_table(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetRecvTable))),
-          counts{table.pair_prefix} {}
+          counts{} {}
 
     // After the head: this CTA's index and the grid size, from shared memory (utils.cuh: ld_volatile_shared)
     MEGAMOE_DEVICE uint32_t cta_idx() const { return ld_volatile_shared(misc + 1); }

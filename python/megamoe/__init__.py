@@ -7,8 +7,8 @@
 """
 from __future__ import annotations
 
-from megamoe import reference
-from megamoe.api import fused, get_symm_buffer, transform_weights
+from megamoe import api, fused, reference  # megamoe.fused: the package, callable as the public API (api.fused)
+from megamoe.api import get_symm_buffer, transform_weights
 from megamoe.buffer import SymmBuffer
 
 __version__ = "0.1.0"
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 # Names for users coming from DeepGEMM's SM90 MegaMoE
 get_symm_buffer_for_mega_moe = get_symm_buffer
 transform_weights_for_mega_moe = transform_weights
-fp8_mega_moe = fused
+fp8_mega_moe = api.fused
 
 __all__ = [
     "SymmBuffer", "fused", "get_symm_buffer", "reference", "transform_weights",

@@ -140,16 +140,26 @@ def fused(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tensor],
           l2_weights: tuple[torch.Tensor, torch.Tensor], buf: _buffer.SymmBuffer, num_tokens: int | None = None,
           cumulative_local_expert_recv_stats: torch.Tensor | None = None, activation_clamp: float | None = None,
           fast_math: bool = True, expected_tokens_per_expert: float | None = None, *,
-          check_inputs: bool = True) -> None:
-    """Run the MoE layer for this rank's first `num_tokens` tokens in `buf` into `y` (collective over buf.group).
-
-    Weights come from `transform_weights`. `check_inputs=False` skips the routing checks that read device memory.
+          check_inputs: bool = True, num_sms: int | None = None) -> None:
+    """Run the MoE layer for this rank's first `num_tokens` tokens in `buf` into `y` (collective over buf.group:
+    every rank calls it, with the same `expected_tokens_per_expert` and `num_sms`). Weights come from
+    `transform_weights`. `check_inputs=False` skips the routing checks that read device memory (needed under CUDA
+    graph capture). `num_sms`: the grid size (default: every SM). The launch is cooperative: a full grid starts
+    only once every other kernel on the GPU has drained; with fewer SMs it runs beside them.
     """
-    validate_fused_args(y, l1_weights, l2_weights, buf, num_tokens, cumulative_local_expert_recv_stats,
-                        activation_clamp, fast_math, expected_tokens_per_expert, check_inputs)
-    if buf.device.type != "cuda":
-        raise ValueError(f"fused needs the symmetric buffer on an SM90 CUDA device, got {buf.device}")
-    raise NotImplementedError(
-        "megamoe.fused: the fused kernel is not built yet (it arrives with the assembler, after the gemm, "
-        "dispatch/combine and epilogue components); the arguments passed validation. Use megamoe.reference.moe "
-        "for the numerical contract meanwhile.")
+    num_tokens = validate_fused_args(y, l1_weights, l2_weights, buf, num_tokens, cumulative_local_expert_recv_stats,
+                                     activation_clamp, fast_math, expected_tokens_per_expert, check_inputs)
+    if buf.device.type != "cuda" or torch.cuda.get_device_capability(buf.device) != (9, 0):
+        raise RuntimeError(f"megamoe.fused needs the symmetric buffer on an SM90 GPU (H100, H200, H20), got "
+                           f"{buf.device}")
+    from megamoe.jit.runtime import num_sms as device_num_sms
+
+    max_sms = device_num_sms(buf.device)
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or
+                                not 1 <= num_sms <= max_sms):
+        raise ValueError(f"num_sms must be an int in [1, {max_sms}], got {num_sms!r}")
+    from megamoe.fused.launch import run
+
+    run(y, l1_weights, l2_weights, buf, num_tokens, recv_stats=cumulative_local_expert_recv_stats,
+        activation_clamp=activation_clamp, fast_math=fast_math,
+        expected_tokens_per_expert=expected_tokens_per_expert, num_sms=num_sms)
