@@ -17,9 +17,9 @@ from megamoe.layout import SymmLayout  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-# Provisional, to be set from the H200 measurement of these cases: y rel-L2 against the exact-quantization
-# reference (the expert-FFN unit kernel measured 1.1-1.2% of FP8 codes one step off, which moves y by ~1e-3).
-MAX_Y_REL_L2 = 2e-2
+# y rel-L2 against the exact-quantization reference: measured on the H200 2.9e-3 .. 4.6e-3 over the first 8 cases
+# (T 1..128, BLOCK_M 128 and 64; the requant's one-step FP8 flips, ~1% of codes, dominate); 2x margin.
+MAX_Y_REL_L2 = 1e-2
 WORKSPACE_COUNTERS = ("expert_send_count", "expert_recv_count", "l1_arrival_count", "l1_done_count",
                       "l2_done_count", "combine_arrival_count")
 
@@ -34,6 +34,56 @@ def _poison(buf) -> None:
     for name in ("l1_acts_sf", "l2_acts_sf", "l1_topk_weights"):
         buf.view(name).fill_(float("nan"))
     buf.view("combine").fill_(float("nan"))
+
+
+def _case_buffer(num_tokens: int, num_experts: int, num_topk: int, hidden: int, intermediate: int,
+                 max_tokens: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device("cuda")
+    case = reference.random_case(num_tokens, hidden, intermediate, num_experts, num_topk, mask_prob=0.1,
+                                 generator=gen, device=device)
+    layout = SymmLayout.create(1, num_experts, max_tokens, num_topk, hidden, intermediate)
+    buf = allocate(None, layout, device)
+    l1_nat = tuple(t.to(device) for t in case.l1_weights[0])
+    l2_nat = tuple(t.to(device) for t in case.l2_weights[0])
+    l1, l2 = weights.transform_weights(l1_nat, l2_nat)
+    return case, buf, l1, l2
+
+
+def _call(case, buf, l1, l2, num_tokens: int, **kwargs):
+    from megamoe import fused
+
+    _poison(buf)
+    buf.x[:num_tokens].copy_(case.x[0])
+    buf.x_sf[:num_tokens].copy_(case.x_sf[0])
+    buf.topk_idx[:num_tokens].copy_(case.topk_idx[0])
+    buf.topk_weights[:num_tokens].copy_(case.topk_weights[0])
+    y = torch.full((num_tokens, buf.hidden), float("nan"), dtype=torch.bfloat16, device=buf.device)
+    config = fused.run(y, l1, l2, buf, num_tokens, **kwargs)
+    torch.cuda.synchronize()
+    for name in WORKSPACE_COUNTERS:
+        assert not bool(buf.view(name).view(torch.int32).ne(0).any()), f"{name} not cleaned"
+    return y, config
+
+
+@pytest.mark.parametrize("num_tokens", [1021, 4096])
+@pytest.mark.parametrize("serial", [True, False])
+def test_fused_flash_shape(num_tokens: int, serial: bool) -> None:
+    """The single-rank load of an 8-GPU DSV4-Flash deployment: E = 32 local experts, H 4096, I 2048, top-6; y
+    bit-identical across grid sizes (132, 66, 8 CTAs) and repeated calls."""
+    seed = _seed()
+    case, buf, l1, l2 = _case_buffer(num_tokens, 32, 6, 4096, 2048, 4096, seed)
+    y_ref = reference.moe(case.x[0], case.x_sf[0], case.topk_idx[0], case.topk_weights[0], case.l1_weights[0],
+                          case.l2_weights[0], fast_math=True)
+    first = None
+    for num_sms in (132, 66, 8, 132):
+        y, config = _call(case, buf, l1, l2, num_tokens, serial=serial, num_sms=num_sms)
+        err = reference.rel_l2(y.float(), y_ref.float())
+        print(f"seed {seed} {config.name} num_sms {num_sms}: y rel-L2 {err:.3e}")
+        assert err <= MAX_Y_REL_L2, f"seed {seed}: y rel-L2 {err:.3e} > {MAX_Y_REL_L2}"
+        if first is None:
+            first = y.clone()
+        assert torch.equal(y.view(torch.int16), first.view(torch.int16)), f"seed {seed}: y differs at {num_sms} SMs"
 
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 7, 128])
@@ -70,4 +120,4 @@ def test_fused_matches_reference(num_tokens: int, num_experts: int, num_topk: in
         assert torch.isfinite(y).all(), f"seed {seed}: y holds non-finite values"
         assert err <= MAX_Y_REL_L2, f"seed {seed}: y rel-L2 {err:.3e} > {MAX_Y_REL_L2}"
         for name in WORKSPACE_COUNTERS:
-            assert int(buf.view(name).abs().sum()) == 0, f"seed {seed}: {name} not cleaned after call {call}"
+            assert not bool(buf.view(name).view(torch.int32).ne(0).any()), f"seed {seed}: {name} not cleaned after call {call}"
