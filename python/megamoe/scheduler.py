@@ -2,12 +2,12 @@
 at large loads): which tiles each SM computes, in which order, and why that order cannot deadlock; and the pool
 layout every kernel shares (`pool_offsets`, `num_pool_blocks`).
 
-No device code runs this wave schedule yet. What exists on the device: components/gemm/tile_scheduler.cuh, the
-standalone GEMM's tile order (expert-major, bands of band_m m-blocks, n-block-major inside a band), and
-assembler/expert_ffn_scheduler.cuh, the expert-FFN unit kernel's sequence (every L1 tile in that order, then every
-L2 tile), which is this model's order for one wave of all local experts with M-major L2 when band_m = 1; no test
-compares them. The fused kernel's device scheduler (the next issue) is what will have to match this model tile by
-tile (DESIGN section 5c), and `iterate_sm` is written the way that scheduler will walk (no global list).
+The fused kernel's device scheduler, assembler/fused_scheduler.cuh (FusedScheduler::next), walks this order the
+way `iterate_sm` does (no global list, per-expert counts from the receive table in shared memory); a GPU test that
+dumps each CTA's task list and compares it with this model is still to come. Other device orders:
+components/gemm/tile_scheduler.cuh, the standalone GEMM's (expert-major, bands of band_m m-blocks, n-block-major
+inside a band), and assembler/expert_ffn_scheduler.cuh, the expert-FFN unit kernel's (every L1 tile in that order,
+then every L2 tile: this model's order for one wave of all local experts with M-major L2 when band_m = 1).
 
 Global task sequence: the local experts are cut into waves of `num_experts_per_wave`; for wave w (experts
 [w*d, (w+1)*d)), first every L1 task of the wave (expert-major, then m-block, then n-block), then every L2 task of
