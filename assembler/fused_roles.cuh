@@ -106,6 +106,19 @@ MEGAMOE_DEVICE void wait_every_pool_block(const FusedContext<T>& ctx, const Devi
     }
 }
 
+// Debug: record task `position` of this CTA (the scheduler test compares the lists with megamoe/scheduler.py).
+MEGAMOE_DEVICE void dump_task(const FusedParams& p, uint32_t cta_idx, uint32_t position, const FusedTask& task) {
+    uint32_t* list = p.task_dump + static_cast<uint64_t>(cta_idx) * (1 + 4 * p.task_dump_capacity);
+    list[0] = position + 1;
+    if (position < p.task_dump_capacity) {
+        uint32_t* entry = list + 1 + 4 * position;
+        entry[0] = (static_cast<uint32_t>(task.phase) << 31) | task.expert_idx;
+        entry[1] = task.m_block_idx;
+        entry[2] = task.n_block_idx;
+        entry[3] = task.pool_block_idx;
+    }
+}
+
 // TMA-A warp (lane 0 issues): activation tiles, after their pool block is ready.
 template <typename T>
 MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
@@ -116,8 +129,10 @@ MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
     FusedSchedulerOf<T> scheduler(ctx.counts, ctx.cta_idx(), ctx.num_ctas());
     FusedTask task;
     bool waited_all = false;
-    while (scheduler.next(task)) {
+    for (uint32_t task_count = 0; scheduler.next(task); ++ task_count) {
         const uint32_t pool_row = task.pool_block_idx * T::BLOCK_M;
+        if (ctx.p.task_dump != nullptr)
+            dump_task(ctx.p, ctx.cta_idx(), task_count, task);
         if (task.phase == FusedPhase::kL1) {
             if (T::kSerial and not waited_all) {
                 wait_every_pool_block(ctx, tiered_env(ctx.env, kTierArrival, kRoleProducer));

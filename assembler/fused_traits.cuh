@@ -83,7 +83,9 @@ struct FusedParams {
     uint32_t num_tokens;  // T of this rank
     uint32_t debug_flags; // kDebugHangAtDispatchBarrier
     float clamp;          // activation clamp (read only when compiled with it)
-    uint32_t reserved;
+    uint32_t task_dump_capacity;  // tasks per CTA that task_dump holds
+    uint32_t* task_dump;  // debug, or nullptr: per CTA [1 + capacity x 4] u32, the TMA-A warp's task list
+                          // (count, then (phase << 31 | expert, m block, n block, pool block) per task)
 };
 
 constexpr uint32_t kDebugHangAtDispatchBarrier = 1u;  // the dispatch barrier waits for an unreachable value

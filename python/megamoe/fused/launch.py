@@ -22,10 +22,10 @@ class FusedParamsStruct(ctypes.Structure):
 
     _fields_ = [("w1_sf", ctypes.c_uint64), ("w2_sf", ctypes.c_uint64), ("y", ctypes.c_uint64),
                 ("recv_stats", ctypes.c_uint64), ("num_tokens", ctypes.c_uint32), ("debug_flags", ctypes.c_uint32),
-                ("clamp", ctypes.c_float), ("reserved", ctypes.c_uint32)]
+                ("clamp", ctypes.c_float), ("task_dump_capacity", ctypes.c_uint32), ("task_dump", ctypes.c_uint64)]
 
 
-assert ctypes.sizeof(FusedParamsStruct) == 48
+assert ctypes.sizeof(FusedParamsStruct) == 56
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -52,10 +52,11 @@ def tensor_maps(config: FusedConfig, buf: SymmBuffer, l1: WeightPair, l2: Weight
 def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_tokens: int, *,
         recv_stats: torch.Tensor | None = None, activation_clamp: float | None = None, fast_math: bool = True,
         expected_tokens_per_expert: float | None = None, serial: bool = True, num_sms: int | None = None,
-        debug_hang: bool = False, timeout_s: float | None = None,
+        debug_hang: bool = False, timeout_s: float | None = None, task_dump: torch.Tensor | None = None,
         stream: torch.cuda.Stream | None = None) -> FusedConfig:
     """Launch the fused kernel for this rank's first `num_tokens` tokens in `buf` (arguments already validated:
-    megamoe.api.validate_fused_args). Collective over buf.group: every rank launches the same variant."""
+    megamoe.api.validate_fused_args). Collective over buf.group: every rank launches the same variant.
+    task_dump (debug): int32 [grid, 1 + 4 capacity], filled with each CTA's task list (`dumped_tasks` reads it)."""
     from megamoe.jit import runtime
     from megamoe.jit.diagnostics import timeout_records
     from megamoe.kernels.dispatch_combine import sym_buffer_struct
@@ -64,10 +65,32 @@ def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_to
     config = config_for(buf.layout, expected_tokens_per_expert=expected_tokens_per_expert,
                         clamp=activation_clamp is not None, fast_math=fast_math, serial=serial)
     kernel = runtime.kernel_for(compile_fused, config, NUM_THREADS)
+    capacity = 0
+    if task_dump is not None:
+        if task_dump.dtype != torch.int32 or task_dump.dim() != 2 or task_dump.shape[0] != grid or \
+                (task_dump.shape[1] - 1) % 4 or not task_dump.is_contiguous() or task_dump.device != buf.device:
+            raise ValueError(f"task_dump must be a contiguous int32 [{grid}, 1 + 4 capacity] tensor on {buf.device}, "
+                             f"got {task_dump.dtype} {tuple(task_dump.shape)} on {task_dump.device}")
+        capacity = (task_dump.shape[1] - 1) // 4
     params = FusedParamsStruct(_ptr(l1[1]), _ptr(l2[1]), _ptr(y) if num_tokens else 0, _ptr(recv_stats), num_tokens,
                                DEBUG_HANG_AT_DISPATCH_BARRIER if debug_hang else 0,
-                               activation_clamp if activation_clamp is not None else 0.0, 0)
+                               activation_clamp if activation_clamp is not None else 0.0, capacity, _ptr(task_dump))
     env = timeout_records().device_env(rank=buf.rank, timeout_s=timeout_s)
     args = [*tensor_maps(config, buf, l1, l2), sym_buffer_struct(buf), params, env]
     kernel.launch(grid, args, config.smem_bytes, device=buf.device, stream=stream)
     return config
+
+
+def dumped_tasks(task_dump: torch.Tensor) -> list[list[tuple[str, int, int, int, int]]]:
+    """Each CTA's tasks from a task_dump filled by `run`: (phase, expert, m block, n block, pool block)."""
+    out = []
+    for row in task_dump.cpu().tolist():
+        count, capacity = row[0], (len(row) - 1) // 4
+        if count > capacity:
+            raise ValueError(f"task_dump holds {capacity} tasks per CTA, a CTA had {count}")
+        tasks = []
+        for i in range(count):
+            head, m, n, block = (v & 0xFFFFFFFF for v in row[1 + 4 * i: 5 + 4 * i])
+            tasks.append(("l2" if head >> 31 else "l1", head & 0x7FFFFFFF, m, n, block))
+        out.append(tasks)
+    return out
