@@ -11,7 +11,7 @@
 
 #include "common/fence.cuh"
 #include "common/sync.cuh"
-#include "common/warp_roles.cuh"
+#include "common/kernel_skeleton.cuh"
 #include "epilogue/l1_epilogue.cuh"
 #include "epilogue/l2_epilogue.cuh"
 #include "expert_ffn_scheduler.cuh"
@@ -114,7 +114,7 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
     const gemm::GemmSmem<L1> smem_l1{smem_buffer};
     const gemm::GemmSmem<L2> smem_l2{smem_buffer};
     const gemm::Pipeline<T::kNumStages> pipeline{smem_l2.full_barriers(), smem_l2.empty_barriers()};
-    const uint32_t warp = warp_idx(), lane = lane_idx();
+    const uint32_t lane = lane_idx();
 
     // Init the ring, visible to the async proxy before the first TMA
     if (threadIdx.x == 0) {
@@ -131,35 +131,33 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
     }
     __syncthreads();
 
-    if (warp < 4) {
-        // WG0: the TMA producers (the other two warps are the fused kernel's dispatch warps)
-        ptx::setmaxnreg_dec<kNumProducerRegs>();
-        if ((warp == kTmaAWarpIdx or warp == kTmaBWarpIdx) and lane == 0) {
-            gemm::PipelineState<T::kNumStages> state;
-            Scheduler scheduler(p.num_tokens_per_expert);
-            FfnTask task;
-            for (uint32_t task_idx = blockIdx.x; scheduler.locate(task_idx, task); task_idx += gridDim.x) {
-                const gemm::Tile& tile = task.tile;
-                if (warp == kTmaAWarpIdx) {
-                    if (task.phase == Phase::kL1) {
-                        gemm::produce_a_tile<L1>(pipeline, state, smem_l1, maps.l1_a, maps.l1_sfa, tile.pool_row, env);
-                    } else {
-                        wait_l1_done<T>(p.l1_done_count, tile.pool_row / T::BLOCK_M, env);
-                        gemm::produce_a_tile<L2>(pipeline, state, smem_l2, maps.l2_a, maps.l2_sfa, tile.pool_row, env);
-                    }
-                } else if (task.phase == Phase::kL1) {
-                    gemm::produce_b_tile<L1>(pipeline, state, smem_l1, maps.w1,
-                                             tile.expert_idx * L1::SHAPE_N + tile.n_block_idx * L1::BLOCK_N, env);
+    // The TMA producers (lane 0 of each TMA warp issues; the dispatch warps of the fused kernel idle here)
+    const auto produce = [&](bool is_tma_a) {
+        if (lane != 0)
+            return;
+        gemm::PipelineState<T::kNumStages> state;
+        Scheduler scheduler(p.num_tokens_per_expert);
+        FfnTask task;
+        for (uint32_t task_idx = blockIdx.x; scheduler.locate(task_idx, task); task_idx += gridDim.x) {
+            const gemm::Tile& tile = task.tile;
+            if (is_tma_a) {
+                if (task.phase == Phase::kL1) {
+                    gemm::produce_a_tile<L1>(pipeline, state, smem_l1, maps.l1_a, maps.l1_sfa, tile.pool_row, env);
                 } else {
-                    gemm::produce_b_tile<L2>(pipeline, state, smem_l2, maps.w2,
-                                             tile.expert_idx * L2::SHAPE_N + tile.n_block_idx * L2::BLOCK_N, env);
+                    wait_l1_done<T>(p.l1_done_count, tile.pool_row / T::BLOCK_M, env);
+                    gemm::produce_a_tile<L2>(pipeline, state, smem_l2, maps.l2_a, maps.l2_sfa, tile.pool_row, env);
                 }
+            } else if (task.phase == Phase::kL1) {
+                gemm::produce_b_tile<L1>(pipeline, state, smem_l1, maps.w1,
+                                         tile.expert_idx * L1::SHAPE_N + tile.n_block_idx * L1::BLOCK_N, env);
+            } else {
+                gemm::produce_b_tile<L2>(pipeline, state, smem_l2, maps.w2,
+                                         tile.expert_idx * L2::SHAPE_N + tile.n_block_idx * L2::BLOCK_N, env);
             }
         }
-    } else if (warp / 4 - 1 < L1::kNumMathWarpgroups) {
-        // Math warpgroups: accumulate each tile, run its epilogue
-        ptx::setmaxnreg_inc<kNumMathRegs>();
-        const uint32_t math_wg_idx = warp / 4 - 1, thread_in_wg = threadIdx.x % 128;
+    };
+    // Math warpgroups: accumulate each tile, run its epilogue
+    const auto math = [&](uint32_t math_wg_idx, uint32_t thread_in_wg) {
         const uint32_t math_thread_idx = threadIdx.x - kFirstMathThread;
         const bool is_store_thread = math_thread_idx == 0;
         const AccFragment frag = AccFragment::of(math_wg_idx, thread_in_wg);
@@ -234,10 +232,9 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
         // The last L1 stores complete before the kernel ends
         if (is_store_thread)
             l1_state.publish_pending();
-    } else {
-        // WG2 without work (BLOCK_M <= 64): give its registers back
-        ptx::setmaxnreg_dec<kNumProducerRegs>();
-    }
+    };
+    run_warp_roles<L1::kNumMathWarpgroups, SpareWarpgroup::kReleaseRegisters>(
+        NoRole{}, [&]() { produce(true); }, [&]() { produce(false); }, math, NoRole{});
 }
 
 }  // namespace megamoe::assembler

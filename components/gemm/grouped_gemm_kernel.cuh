@@ -8,7 +8,7 @@
 
 #include "common/fence.cuh"
 #include "common/sync.cuh"
-#include "common/warp_roles.cuh"
+#include "common/kernel_skeleton.cuh"
 #include "gemm/consumer.cuh"
 #include "gemm/producer.cuh"
 #include "gemm/tile_scheduler.cuh"
@@ -103,7 +103,7 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
     extern __shared__ __align__(1024) uint8_t smem_buffer[];
     const GemmSmem<T> smem{smem_buffer};
     const Pipeline<T::kNumStages> pipeline{smem.full_barriers(), smem.empty_barriers()};
-    const uint32_t warp = warp_idx(), lane = lane_idx();
+    const uint32_t lane = lane_idx();
 
     // Init the ring, visible to the async proxy before the first TMA
     if (threadIdx.x == 0) {
@@ -116,25 +116,23 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
     }
     __syncthreads();
 
-    if (warp < 4) {
-        // WG0: the TMA producers (the other two warps are the fused kernel's dispatch warps)
-        ptx::setmaxnreg_dec<kNumProducerRegs>();
-        if ((warp == kTmaAWarpIdx or warp == kTmaBWarpIdx) and lane == 0) {
-            PipelineState<T::kNumStages> state;
-            Scheduler scheduler(num_tokens_per_expert);
-            Tile tile;
-            for (uint32_t tile_idx = blockIdx.x; scheduler.locate(tile_idx, tile); tile_idx += gridDim.x) {
-                if (warp == kTmaAWarpIdx)
-                    produce_a_tile<T>(pipeline, state, smem, tensor_map_a, tensor_map_sfa, tile.pool_row, env);
-                else
-                    produce_b_tile<T>(pipeline, state, smem, tensor_map_b,
-                                      tile.expert_idx * T::SHAPE_N + tile.n_block_idx * T::BLOCK_N, env);
-            }
+    // The TMA producers (lane 0 of each TMA warp issues; the dispatch warps of the fused kernel idle here)
+    const auto produce = [&](bool is_tma_a) {
+        if (lane != 0)
+            return;
+        PipelineState<T::kNumStages> state;
+        Scheduler scheduler(num_tokens_per_expert);
+        Tile tile;
+        for (uint32_t tile_idx = blockIdx.x; scheduler.locate(tile_idx, tile); tile_idx += gridDim.x) {
+            if (is_tma_a)
+                produce_a_tile<T>(pipeline, state, smem, tensor_map_a, tensor_map_sfa, tile.pool_row, env);
+            else
+                produce_b_tile<T>(pipeline, state, smem, tensor_map_b,
+                                  tile.expert_idx * T::SHAPE_N + tile.n_block_idx * T::BLOCK_N, env);
         }
-    } else if (warp / 4 - 1 < T::kNumMathWarpgroups) {
-        // Math warpgroups: accumulate each tile, store it
-        ptx::setmaxnreg_inc<kNumMathRegs>();
-        const uint32_t math_wg_idx = warp / 4 - 1, thread_in_wg = threadIdx.x % 128;
+    };
+    // Math warpgroups: accumulate each tile, store it
+    const auto math = [&](uint32_t math_wg_idx, uint32_t thread_in_wg) {
         const AccFragment frag = AccFragment::of(math_wg_idx, thread_in_wg);
         uint8_t* staging = smem_buffer + OutputStaging<T>::kOffset;
         KBlockTrace<kTrace> tracer{blockIdx.x == 0 and thread_in_wg == 0 and trace != nullptr
@@ -164,10 +162,9 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
             tile = next_tile;
             has_tile = has_next;
         }
-    } else {
-        // WG2 without work (BLOCK_M <= 64): give its registers back
-        ptx::setmaxnreg_dec<kNumProducerRegs>();
-    }
+    };
+    run_warp_roles<T::kNumMathWarpgroups, SpareWarpgroup::kReleaseRegisters>(
+        NoRole{}, [&]() { produce(true); }, [&]() { produce(false); }, math, NoRole{});
 }
 
 }  // namespace megamoe::gemm
