@@ -183,18 +183,19 @@ def test_fused_task_order_matches_model(layout_idx: int, num_tokens: int, num_sm
 
 
 # Phase by phase on random inputs (the seed's Phase 2-5 milestones): the pool, the L2 activations and the combine
-# rows stay in the buffer after a call. Thresholds: dispatch exact; requantized L2 activations within one FP8 step
-# of the reference (the expert-FFN unit kernel measured 1.1-1.2% of codes one step off: at most 3% here), their SFs
-# within 1e-2 relative; per-slot combine rows at most MAX_Y_REL_L2.
-MAX_CODE_FLIP_FRACTION = 0.03
-MAX_SF_REL = 1e-2
+# rows stay in the buffer after a call. Dispatch exact; the L2 activations and SFs held to the expert-FFN unit
+# kernel's check 1 on random inputs (the same L1 GEMM and epilogue code; its thresholds and their measurements are in
+# tests/test_expert_ffn_gpu.py: codes two or more steps off occur, measured 0.09% at |value| <= 3.5e-3 amax, bounded
+# through the excess beyond rounding); per-slot combine rows at most MAX_Y_REL_L2.
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout_idx,num_tokens", [(0, 128), (1, 100)])
 def test_fused_phase_intermediates(layout_idx: int, num_tokens: int) -> None:
     from megamoe import scheduler
-    from megamoe.testing.expert_ffn_checks import fp8_ordinal
+    from megamoe.testing.expert_ffn_checks import CodeStats
+    from test_expert_ffn_gpu import (RANDOM_CODE_EXCESS, RANDOM_MULTI_STEP_FRACTION, RANDOM_ONE_STEP_FRACTION,
+                                     RANDOM_SF_REL_ERR)
 
     _, num_experts, max_tokens, num_topk, hidden, intermediate = SMALL_LAYOUTS[layout_idx]
     seed = _seed()
@@ -207,7 +208,7 @@ def test_fused_phase_intermediates(layout_idx: int, num_tokens: int) -> None:
     acts, acts_sf = buf.view("l1_acts").view(torch.uint8), buf.view("l1_acts_sf")
     l2_acts, l2_sf = buf.view("l2_acts"), buf.view("l2_acts_sf")
     combine = buf.view("combine")
-    flips = codes = 0
+    stats = CodeStats()
     for e, (count, first) in enumerate(zip(counts, scheduler.pool_offsets(counts, config.block_m))):
         x = ref.experts[e]
         rows = torch.arange(first, first + count, device=buf.device)
@@ -218,19 +219,17 @@ def test_fused_phase_intermediates(layout_idx: int, num_tokens: int) -> None:
         assert torch.equal(acts[rows].cpu(), x.x.view(torch.uint8).cpu()), f"seed {seed}: expert {e} pool rows"
         assert torch.equal(acts_sf[:, rows].t().cpu(), x.x_sf.cpu()), f"seed {seed}: expert {e} pool SF"
         assert torch.equal(buf.view("l1_topk_weights")[rows].cpu(), x.topk_weight.cpu()), f"seed {seed}: weights"
-        # L1 epilogue: requantized activations within one FP8 step, SFs close
-        steps = (fp8_ordinal(l2_acts[rows].cpu()) - fp8_ordinal(x.l2_act.cpu())).abs()
-        if steps.numel():
-            assert int(steps.max()) <= 1, f"seed {seed}: expert {e}: an L2 activation code off by > 1 step"
-        flips += int((steps != 0).sum())
-        codes += steps.numel()
-        sf = l2_sf[:, rows].t().cpu()
-        assert torch.allclose(sf, x.l2_act_sf.cpu(), rtol=MAX_SF_REL, atol=0), f"seed {seed}: expert {e} L2 SF"
+        # L1 epilogue: requantized activations and SFs against the reference's
+        if count:
+            stats.add(l2_acts[rows].cpu(), l2_sf[:, rows].t().cpu(), x.act.cpu(), x.l2_act.cpu(), x.l2_act_sf.cpu())
         # L2 + scatter: each row's combine slot at (slot, token)
         if count:
             got = combine[x.src[:, 2].to(buf.device), x.src[:, 1].to(buf.device)]
             err = reference.rel_l2(got.float(), x.out.float())
             assert err <= MAX_Y_REL_L2, f"seed {seed}: expert {e} combine rows rel-L2 {err:.3e}"
-    fraction = flips / max(codes, 1)
-    print(f"seed {seed} {config.name}: {flips} of {codes} L2 activation codes one step off ({fraction:.2%})")
-    assert fraction <= MAX_CODE_FLIP_FRACTION, f"seed {seed}: {fraction:.2%} of L2 activation codes off"
+    num_codes = sum(stats.steps)
+    print(f"seed {seed} {config.name}: {stats.summary()}")
+    assert stats.excess <= RANDOM_CODE_EXCESS, stats.summary()
+    assert stats.steps[1] <= RANDOM_ONE_STEP_FRACTION * num_codes, stats.summary()
+    assert stats.steps[2] <= RANDOM_MULTI_STEP_FRACTION * num_codes, stats.summary()
+    assert stats.sf_max_rel_err <= RANDOM_SF_REL_ERR, stats.summary()
