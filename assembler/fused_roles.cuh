@@ -10,6 +10,7 @@
 #include "common/sync.cuh"
 #include "fused_scheduler.cuh"
 #include "fused_traits.cuh"
+#include "task_queue.cuh"
 #include "gemm/consumer.cuh"
 #include "gemm/producer.cuh"
 
@@ -52,6 +53,7 @@ struct FusedContext {
     uint32_t* misc;  // misc region: [0] the dispatch barrier's NVLink ordinal, [1] blockIdx.x, [2] gridDim.x
     dispatch::RecvTable table;
     TableCounts<T::kOffsetRecvTable> counts;
+    typename T::Tasks tasks;
 
     MEGAMOE_DEVICE FusedContext(const FusedMaps& maps_, const SymBuffer& sym_, const FusedParams& p_,
                                 const DeviceEnv& env_, uint8_t* smem_)
@@ -61,7 +63,7 @@ struct FusedContext {
           expert_count(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetExpertCount)),
           misc(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetMisc)),
           table(dispatch::make_recv_table(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetRecvTable))),
-          counts{} {}
+          counts{}, tasks{smem_ + T::kOffsetTaskQueue} {}
 
     // After the head: this CTA's index and the grid size, from shared memory (utils.cuh: ld_volatile_shared)
     MEGAMOE_DEVICE uint32_t cta_idx() const { return ld_volatile_shared(misc + 1); }
@@ -119,17 +121,20 @@ MEGAMOE_DEVICE void dump_task(const FusedParams& p, uint32_t cta_idx, uint32_t p
     }
 }
 
-// TMA-A warp (lane 0 issues): activation tiles, after their pool block is ready.
+// TMA-A warp (lane 0 issues): walks the scheduler, pushes each task to the queue (before any wait on its
+// inputs: task_queue.cuh), then loads the activation tiles once their pool block is ready.
 template <typename T>
 MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
     if (lane_idx() != 0)
         return;
-    // (the tiered environments are built at each wait: kept live across the loop, they cost the warp's 40 registers)
+    // (the tiered environments are built at each wait: kept live across the loop, they cost the warp's registers)
     gemm::PipelineState<T::kNumStages> state;
+    gemm::PipelineState<T::kNumTaskSlots> queue_state;
     FusedSchedulerOf<T> scheduler(ctx.counts, ctx.cta_idx(), ctx.num_ctas());
     FusedTask task;
     bool waited_all = false;
     for (uint32_t task_count = 0; scheduler.next(task); ++ task_count) {
+        ctx.tasks.push(tiered_env(ctx.env, kTierPipeline, kRoleProducer), queue_state, pack_task(task));
         const uint32_t pool_row = task.pool_block_idx * T::BLOCK_M;
         if (ctx.p.task_dump != nullptr)
             dump_task(ctx.p, ctx.cta_idx(), task_count, task);
@@ -144,31 +149,33 @@ MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
             gemm::produce_a_tile<typename T::L1>(ctx.pipeline, state, ctx.smem_l1, ctx.maps.l1_a, ctx.maps.l1_sfa,
                                                  pool_row, tiered_env(ctx.env, kTierPipeline, kRoleProducer));
         } else {
-            wait_pool_counter(tiered_env(ctx.env, kTierPipeline, kRoleProducer), "l1_done", ctx.pool_counter(layout::kL1DoneCountOffset,
-                                                                        task.pool_block_idx),
-                              T::kNumL1NBlocks, task.pool_block_idx);
+            wait_pool_counter(tiered_env(ctx.env, kTierPipeline, kRoleProducer), "l1_done",
+                              ctx.pool_counter(layout::kL1DoneCountOffset, task.pool_block_idx), T::kNumL1NBlocks,
+                              task.pool_block_idx);
             gemm::produce_a_tile<typename T::L2>(ctx.pipeline, state, ctx.smem_l2, ctx.maps.l2_a, ctx.maps.l2_sfa,
                                                  pool_row, tiered_env(ctx.env, kTierPipeline, kRoleProducer));
         }
     }
+    ctx.tasks.push(tiered_env(ctx.env, kTierPipeline, kRoleProducer), queue_state,
+                   make_uint4(kEndOfTasks, 0, 0, 0));
 }
 
-// TMA-B warp (lane 0 issues): weight tiles.
+// TMA-B warp (lane 0 issues): the weight tiles of each queued task.
 template <typename T>
 MEGAMOE_DEVICE void tma_b_role(const FusedContext<T>& ctx) {
     if (lane_idx() != 0)
         return;
     gemm::PipelineState<T::kNumStages> state;
-    FusedSchedulerOf<T> scheduler(ctx.counts, ctx.cta_idx(), ctx.num_ctas());
-    FusedTask task;
-    while (scheduler.next(task)) {
-        if (task.phase == FusedPhase::kL1)
+    gemm::PipelineState<T::kNumTaskSlots> queue_state;
+    for (QueuedTask task = ctx.tasks.pop(tiered_env(ctx.env, kTierPipeline, kRoleProducer), queue_state);
+         task.valid(); task = ctx.tasks.pop(tiered_env(ctx.env, kTierPipeline, kRoleProducer), queue_state)) {
+        if (task.phase() == FusedPhase::kL1)
             gemm::produce_b_tile<typename T::L1>(ctx.pipeline, state, ctx.smem_l1, ctx.maps.w1,
-                                                 task.expert_idx * T::L1::SHAPE_N + task.n_block_idx * 128,
+                                                 task.expert_idx() * T::L1::SHAPE_N + task.n_block_idx() * 128,
                                                  tiered_env(ctx.env, kTierPipeline, kRoleProducer));
         else
             gemm::produce_b_tile<typename T::L2>(ctx.pipeline, state, ctx.smem_l2, ctx.maps.w2,
-                                                 task.expert_idx * T::L2::SHAPE_N + task.n_block_idx * 128,
+                                                 task.expert_idx() * T::L2::SHAPE_N + task.n_block_idx() * 128,
                                                  tiered_env(ctx.env, kTierPipeline, kRoleProducer));
     }
 }
@@ -183,30 +190,33 @@ MEGAMOE_DEVICE void tma_b_role(const FusedContext<T>& ctx) {
 // the lanes' red.release.sys signals, which carry all the block's rows (cumulativity) to the source rank's
 // ld.acquire.sys in the reduce (combine/reduce.cuh: reduce_token_chunks).
 template <typename T>
-MEGAMOE_DEVICE void l2_scatter(const FusedContext<T>& ctx, const FusedTask& task, const uint8_t* staging,
+MEGAMOE_DEVICE void l2_scatter(const FusedContext<T>& ctx, const QueuedTask& task, const uint8_t* staging,
                                uint32_t math_thread_idx) {
     constexpr uint32_t kNumRowChunks = T::L2Staging::kNumRowChunks;
-    const uint32_t lane = lane_idx(), pool_row = task.pool_block_idx * T::BLOCK_M;
+    const uint32_t lane = lane_idx(), pool_row = task.pool_block_idx() * T::BLOCK_M;
+    const uint32_t num_valid_rows = task.num_valid_rows();
     if (lane == 0)
-        ptx::ld_acquire<ptx::Scope::kGpu>(ctx.pool_counter(layout::kL1ArrivalCountOffset, task.pool_block_idx));
+        ptx::ld_acquire<ptx::Scope::kGpu>(ctx.pool_counter(layout::kL1ArrivalCountOffset, task.pool_block_idx()));
     __syncwarp();
-    for (uint32_t i = math_thread_idx; i < task.num_valid_rows * kNumRowChunks; i += T::kNumMathThreads) {
+    for (uint32_t i = math_thread_idx; i < num_valid_rows * kNumRowChunks; i += T::kNumMathThreads) {
         const uint32_t row = i / kNumRowChunks, chunk = i % kNumRowChunks;
         const uint4 meta = ptx::ld_relaxed_gpu_v4(dispatch::pool_src_metadata(ctx.sym, pool_row + row));
         combine::store_combine_chunk(combine::combine_row(ctx.sym, meta.x, meta.y, meta.z),
-                                     task.n_block_idx * 128 + chunk * epilogue::kChunkCols,
+                                     task.n_block_idx() * 128 + chunk * epilogue::kChunkCols,
                                      epilogue::l2_load_staged_chunk<T::BLOCK_M>(staging, row, chunk));
     }
     ptx::named_barrier_sync<kL2ScatteredBarrierIdx, T::kNumMathThreads>();
-    if (math_thread_idx < 32) {
+    // (a branch the compiler sees as warp-uniform: with `math_thread_idx < 32` the __syncwarp below sat in
+    // divergent-looking code, and the math role alone spilled 134 B)
+    if (warp_idx() == kFirstMathThread / 32) {
         uint32_t done = 0;
         if (lane == 0)
             done = ptx::atom_add_acq_rel<ptx::Scope::kGpu>(
-                       ctx.pool_counter(layout::kL2DoneCountOffset, task.pool_block_idx), 1u) + 1u;
+                       ctx.pool_counter(layout::kL2DoneCountOffset, task.pool_block_idx()), 1u) + 1u;
         done = __shfl_sync(0xffffffffu, done, 0);
         if (done == T::kNumL2NBlocks) {
             __syncwarp();
-            for (uint32_t row = lane; row < task.num_valid_rows; row += 32) {
+            for (uint32_t row = lane; row < num_valid_rows; row += 32) {
                 const uint4 meta = ptx::ld_relaxed_gpu_v4(dispatch::pool_src_metadata(ctx.sym, pool_row + row));
                 ptx::red_add_release<ptx::Scope::kSys>(combine::combine_arrival_count(ctx.sym, meta.x, meta.y), 1u);
             }
@@ -249,40 +259,50 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
     bool staging_held_by_l2 = false;
 
     // A task's weight SFs (gemm::WeightScales), loaded before the previous task's epilogue to hide the latency
-    const auto load_weight_scales = [&](const FusedTask& t) {
-        return t.phase == FusedPhase::kL1
-            ? gemm::WeightScales::load<L1>(ctx.p.w1_sf, t.expert_idx, t.n_block_idx, lane)
-            : gemm::WeightScales::load<L2>(ctx.p.w2_sf, t.expert_idx, t.n_block_idx, lane);
+    const auto load_weight_scales = [&](const QueuedTask& t) {
+        return t.phase() == FusedPhase::kL1
+            ? gemm::WeightScales::load<L1>(ctx.p.w1_sf, t.expert_idx(), t.n_block_idx(), lane)
+            : gemm::WeightScales::load<L2>(ctx.p.w2_sf, t.expert_idx(), t.n_block_idx(), lane);
     };
+    // NOTES: the current and the next task stay in their queue slots (task_queue.cuh) and are re-read from shared
+    // memory where needed: the slot of the current task is released once its epilogue is done, after the next
+    // one's weight SFs were loaded from its slot.
     gemm::PipelineState<T::kNumStages> state;
-    FusedSchedulerOf<T> scheduler(ctx.counts, ctx.cta_idx(), ctx.num_ctas());
-    FusedTask task, next_task;
-    bool has_task = scheduler.next(task);
-    gemm::WeightScales weight_scales{};
-    if (has_task)
-        weight_scales = load_weight_scales(task);
-    const auto locate_next = [&](FusedTask& next) {
-        const bool found = scheduler.next(next);
-        if (found)
-            weight_scales = load_weight_scales(next);
-        return found;
+    gemm::PipelineState<T::kNumTaskSlots> slot;
+    const auto wait_slot = [&](const gemm::PipelineState<T::kNumTaskSlots>& s) {
+        ctx.tasks.wait_full(tiered_env(ctx.env, kTierPipeline, kRoleMath), s.stage, s.phase);
     };
-    for (; has_task; task = next_task) {
-        const epilogue::EpilogueTile out_tile{task.pool_block_idx * T::BLOCK_M, task.n_block_idx,
-                                              task.num_valid_rows};
+    const auto current = [&]() { return ctx.tasks.peek(slot.stage); };
+    gemm::WeightScales weight_scales{};
+    wait_slot(slot);
+    if (current().valid())
+        weight_scales = load_weight_scales(current());
+    // Wait for the next task and load its weight SFs (hidden behind this task's epilogue)
+    const auto locate_next = [&]() {
+        gemm::PipelineState<T::kNumTaskSlots> next = slot;
+        next.advance();
+        wait_slot(next);
+        const QueuedTask next_task = ctx.tasks.peek(next.stage);
+        if (next_task.valid())
+            weight_scales = load_weight_scales(next_task);
+    };
+    for (; current().valid(); slot.advance()) {
         float acc[epilogue::kNumAccum];
         #pragma unroll
         for (uint32_t i = 0; i < epilogue::kNumAccum; ++ i)
             acc[i] = 0.0f;
 
-        if (task.phase == FusedPhase::kL1) {
+        if (current().phase() == FusedPhase::kL1) {
             gemm::consume_tile<L1>(ctx.pipeline, state, ctx.smem_l1, weight_scales, math_wg_idx, thread_in_wg, acc,
                                    tiered_env(ctx.env, kTierPipeline, kRoleMath));
-            has_task = locate_next(next_task);
+            locate_next();
             // The L1 buffers alias the L2 staging: wait for its readers
             if (staging_held_by_l2)
                 ptx::named_barrier_sync<kStagingFreeBarrierIdx, kNumMathThreads>();
             staging_held_by_l2 = false;
+            const QueuedTask task = current();
+            const epilogue::EpilogueTile out_tile{task.pool_block_idx() * T::BLOCK_M, task.n_block_idx(),
+                                                  task.num_valid_rows()};
             epilogue::l1_epilogue<T::BLOCK_M, kNumMathThreads, kL1StoreBarrierIdx, T::kClamp, T::kFastMath>(
                 acc, frag, out_tile, staging, l1_args, is_store_thread, l1_state);
         } else {
@@ -291,7 +311,7 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
                 l1_state.publish_pending();
             gemm::consume_tile<L2>(ctx.pipeline, state, ctx.smem_l2, weight_scales, math_wg_idx, thread_in_wg, acc,
                                    tiered_env(ctx.env, kTierPipeline, kRoleMath));
-            has_task = locate_next(next_task);
+            locate_next();
 
             // Stage as BF16 rows once every earlier reader of the staging area is done (the L1 stores were
             // waited for above, by the thread that issued them, before it reached this barrier)
@@ -299,9 +319,11 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
             if (frag.warp_row() < T::BLOCK_M)
                 epilogue::l2_stage_bf16<T::BLOCK_M>(acc, frag, staging);
             ptx::named_barrier_sync<kL2StagedBarrierIdx, kNumMathThreads>();
-            l2_scatter<T>(ctx, task, staging, math_thread_idx);
+            l2_scatter<T>(ctx, current(), staging, math_thread_idx);
             staging_held_by_l2 = true;
         }
+        __syncwarp();
+        ctx.tasks.release(slot.stage, lane == 0);
     }
     // The last L1 stores complete and are published before any wait of the reduce
     if (is_store_thread)

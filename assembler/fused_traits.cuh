@@ -12,6 +12,7 @@
 #include "epilogue/l2_epilogue.cuh"
 #include "gemm/traits.cuh"
 #include "shared_ring.cuh"
+#include "task_queue.cuh"
 
 namespace megamoe::assembler {
 
@@ -56,7 +57,8 @@ struct FusedTraits {
     //   expert_count E words: count_and_notify's per-expert counts (before the role split only)
     //   recv_table   dispatch/recv_table.cuh
     //   misc         16 B: the NVLink barrier ordinal read at kernel start (for the tail: nothing computed before
-    //                the role split stays live in registers across it)
+    //                the role split stays live in registers across it), the CTA index and the grid size
+    //   task_queue   task_queue.cuh: kNumTaskSlots tasks from the TMA-A warp to the TMA-B and math warps
     using L1Staging = epilogue::L1Staging<BLOCK_M>;
     using L2Staging = epilogue::L2Staging<BLOCK_M>;
     static constexpr uint32_t kOffsetStaging = align_up<uint32_t>(L2::kSmemBytes, 1024);
@@ -69,7 +71,10 @@ struct FusedTraits {
     static constexpr uint32_t kOffsetRecvTable =
         align_up<uint32_t>(kOffsetExpertCount + layout::kNumExperts * 4, 16);
     static constexpr uint32_t kOffsetMisc = align_up<uint32_t>(kOffsetRecvTable + dispatch::kRecvTableWords * 4, 16);
-    static constexpr uint32_t kSmemBytes = kOffsetMisc + 16;
+    static constexpr uint32_t kNumTaskSlots = 4;
+    using Tasks = TaskQueue<kNumTaskSlots>;
+    static constexpr uint32_t kOffsetTaskQueue = kOffsetMisc + 16;
+    static constexpr uint32_t kSmemBytes = kOffsetTaskQueue + Tasks::kBytes;
     static_assert(kSmemBytes <= kSmemLimit, "shared memory over the SM90 per-block limit");
     static_assert(kPullStages >= 1 and kPullStages <= 8, "1..8 rows in flight per dispatch warp");
 };

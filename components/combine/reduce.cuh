@@ -164,6 +164,9 @@ MEGAMOE_DEVICE void accumulate_vecs(float* acc, const uint4 (&v)[kSlotBatch][kVe
 // mask is then loaded once). y: [num_tokens, H] BF16, rows 16 B aligned. Same sums as reduce_tokens: fp32 from
 // +0, the valid slots in slot order, one rounding to BF16. kPrint: a timeout also printfs (false in kernels that
 // issue WGMMA).
+// Reducing warps of one call at most: 32 per CTA (1024 threads) on up to 160 SMs (the unit range stays 32-bit)
+constexpr uint32_t kMaxReduceWarps = 32 * 160;
+
 template <uint32_t kVecsPerLane, bool kWaitArrivals = false, bool kPrint = true>
 MEGAMOE_DEVICE void reduce_token_chunks(const DeviceEnv& env, const SymBuffer& sym, uint32_t num_tokens,
                                         __nv_bfloat16* y, uint32_t warp_rank, uint32_t num_warps) {
@@ -174,8 +177,11 @@ MEGAMOE_DEVICE void reduce_token_chunks(const DeviceEnv& env, const SymBuffer& s
     const int64_t* topk_idx = sym.local<const int64_t>(layout::kTopkIdxOffset);
     const uint8_t* combine = sym.local<const uint8_t>(0);
     const uint32_t num_units = num_tokens * kUnitsPerToken;
-    const uint32_t begin = static_cast<uint32_t>(static_cast<uint64_t>(num_units) * warp_rank / num_warps);
-    const uint32_t end = static_cast<uint32_t>(static_cast<uint64_t>(num_units) * (warp_rank + 1) / num_warps);
+    // (32-bit products: a 64-bit division is a subroutine call, whose saved registers spilled in the fused kernel)
+    static_assert(static_cast<uint64_t>(layout::kNumMaxTokensPerRank) * kUnitsPerToken * (kMaxReduceWarps + 1) <
+                      (1ull << 32), "the warp's unit range in 32-bit arithmetic");
+    const uint32_t begin = num_units * warp_rank / num_warps;
+    const uint32_t end = num_units * (warp_rank + 1) / num_warps;
 
     // NOTES: the peers' combine rows are generic-proxy stores (combine/scatter.cuh), published by the combine
     // barrier this warp is past (its CTA's acquire, extended by the CTA barrier), or with kWaitArrivals by each

@@ -44,7 +44,9 @@ MEGAMOE_DEVICE void run_warp_roles(const Dispatch& dispatch, const TmaA& tma_a, 
             tma_a();
         else
             tma_b();
-    } else if (warp / 4 - 1 < kNumMathWarpgroups) {
+    } else if (kNumMathWarpgroups == 2 or warp < 8) {
+        // (with two math warpgroups the spare branch is not compiled at all: as dead code ptxas cannot prove
+        // unreachable, the spare's 168-register region changed the allocation elsewhere and spilled)
         ptx::setmaxnreg_inc<kNumMathRegs>();
         math(warp / 4 - 1, threadIdx.x % 128);
     } else {

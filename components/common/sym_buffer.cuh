@@ -11,10 +11,14 @@ constexpr uint32_t kMaxRanks = 8;
 
 struct SymBuffer {
     uint64_t base_ptrs[kMaxRanks];  // base_ptrs[r]: rank r's buffer as mapped in this process (0 past num_ranks)
+    uint64_t local_ptr;             // base_ptrs[rank_idx]
     uint32_t rank_idx;              // this rank
     uint32_t num_ranks;
 
-    MEGAMOE_DEVICE uint64_t local_base() const { return base_ptrs[rank_idx]; }
+    // NOTES: a field at a fixed parameter offset, not base_ptrs[rank_idx]: ptxas reloads it from the constant bank
+    // where it is needed, while the dynamically indexed load was kept in a register from the fused kernel's head
+    // into every warp role and spilled in the 56-register producer warps.
+    MEGAMOE_DEVICE uint64_t local_base() const { return local_ptr; }
 
     // This rank's copy of the byte at `offset` from the buffer base.
     template <typename T>
@@ -35,6 +39,6 @@ struct SymBuffer {
         return reinterpret_cast<T*>(reinterpret_cast<uint64_t>(ptr) + (base_ptrs[dst_rank] - local_base()));
     }
 };
-static_assert(sizeof(SymBuffer) == 8 * kMaxRanks + 8, "SymBuffer layout is mirrored in megamoe/kernels");
+static_assert(sizeof(SymBuffer) == 8 * kMaxRanks + 16, "SymBuffer layout is mirrored in megamoe/kernels");
 
 }  // namespace megamoe

@@ -48,6 +48,14 @@ MEGAMOE_DEVICE uint32_t ld_volatile_shared(const uint32_t* ptr) {
     return v;
 }
 
+// 16 B at shared address `addr`, re-read at every use (one instruction: its address stays one register).
+MEGAMOE_DEVICE uint4 ld_volatile_shared_v4(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.volatile.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+
 MEGAMOE_DEVICE uint32_t smem_addr(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }

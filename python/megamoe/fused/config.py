@@ -14,6 +14,8 @@ NUM_DISPATCH_WARPS = 2  # common/kernel_skeleton.cuh: kNumDispatchWarps
 MBARRIER_BYTES = 8
 L1_OUTPUT_COLS = 64  # one interleaved 128-column L1 tile yields 64 output columns
 DEFAULT_PULL_STAGES = 4  # rows in flight per dispatch warp (notes/fused.md: 2 warps x 4 stages)
+NUM_TASK_SLOTS = 4  # assembler/task_queue.cuh: FusedTraits::kNumTaskSlots
+TASK_QUEUE_BYTES = NUM_TASK_SLOTS * 16 + 2 * NUM_TASK_SLOTS * MBARRIER_BYTES
 
 
 def pull_stage_bytes(hidden: int) -> int:
@@ -59,7 +61,8 @@ class FusedConfig:
             raise ValueError(f"{self.name}: {self.num_stages} GEMM stages need {self.smem_bytes} B of shared memory "
                              f"(limit {SMEM_CAPACITY_BYTES}, at least {MIN_NUM_STAGES} stages)")
 
-    # Shared-memory plan (FusedTraits): [ring][staging][pull][pull barriers][expert count][receive table][misc]
+    # Shared-memory plan (FusedTraits):
+    # [ring][staging][pull][pull barriers][expert count][receive table][misc][task queue]
     @property
     def stage_bytes(self) -> int:
         """One GEMM stage: A (64 rows at least), B, SFA sized for L2's two per-64 SFs, its two barriers."""
@@ -103,12 +106,16 @@ class FusedConfig:
 
     @property
     def misc_offset(self) -> int:
-        """16 B: the NVLink barrier ordinal, kept for the kernel's tail."""
+        """16 B: the NVLink barrier ordinal (kept for the kernel's tail), the CTA index, the grid size."""
         return align(self.recv_table_offset + recv_table_words(self.layout) * 4, 16)
 
     @property
-    def smem_bytes(self) -> int:
+    def task_queue_offset(self) -> int:
         return self.misc_offset + 16
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.task_queue_offset + TASK_QUEUE_BYTES
 
     @property
     def name(self) -> str:

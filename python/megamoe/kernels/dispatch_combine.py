@@ -75,11 +75,11 @@ PHASES = ("start", "count+notify", "dispatch barrier", "recv table", "pull", "ex
 class SymBufferStruct(ctypes.Structure):
     """Mirror of components/common/sym_buffer.cuh: SymBuffer (a __grid_constant__ kernel parameter)."""
 
-    _fields_ = [("base_ptrs", ctypes.c_uint64 * MAX_RANKS), ("rank_idx", ctypes.c_uint32),
-                ("num_ranks", ctypes.c_uint32)]
+    _fields_ = [("base_ptrs", ctypes.c_uint64 * MAX_RANKS), ("local_ptr", ctypes.c_uint64),
+                ("rank_idx", ctypes.c_uint32), ("num_ranks", ctypes.c_uint32)]
 
 
-assert ctypes.sizeof(SymBufferStruct) == 8 * MAX_RANKS + 8
+assert ctypes.sizeof(SymBufferStruct) == 8 * MAX_RANKS + 16
 
 
 def sym_buffer_struct(buf: SymmBuffer) -> SymBufferStruct:
@@ -90,7 +90,7 @@ def sym_buffer_struct(buf: SymmBuffer) -> SymBufferStruct:
         raise ValueError(f"buf.buffer_ptrs[{buf.rank}] = {buf.buffer_ptrs[buf.rank]:#x} does not lie at or below "
                          f"this rank's buffer {buf.buffer.data_ptr():#x}")
     ptrs = [p + delta for p in buf.buffer_ptrs] + [0] * (MAX_RANKS - len(buf.buffer_ptrs))
-    return SymBufferStruct((ctypes.c_uint64 * MAX_RANKS)(*ptrs), buf.rank, buf.num_ranks)
+    return SymBufferStruct((ctypes.c_uint64 * MAX_RANKS)(*ptrs), ptrs[buf.rank], buf.rank, buf.num_ranks)
 
 
 def pull_stage_bytes(hidden: int) -> int:

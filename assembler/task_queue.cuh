@@ -1,0 +1,98 @@
+// The fused kernel's task queue in shared memory: the TMA-A warp walks the scheduler and pushes each task; the
+// TMA-B warp and the math warps pop them in the same order. Only one role of a CTA carries the scheduler's
+// state: in the math warpgroups it stayed live across the mainloop and spilled (notes/fused.md).
+#pragma once
+
+#include "common/mbarrier.cuh"
+#include "fused_scheduler.cuh"
+#include "gemm/pipeline.cuh"
+
+namespace megamoe::assembler {
+
+// A task as it travels through the queue: {phase << 31 | expert, n block, pool block, valid rows}; the word
+// kEndOfTasks in place of the first marks the end of the CTA's list.
+constexpr uint32_t kEndOfTasks = 0xffffffffu;
+
+MEGAMOE_DEVICE uint4 pack_task(const FusedTask& task) {
+    return make_uint4((static_cast<uint32_t>(task.phase) << 31) | task.expert_idx, task.n_block_idx,
+                      task.pool_block_idx, task.num_valid_rows);
+}
+
+// The fields the consumers use (m_block_idx stays with the TMA-A warp, which dumps it in debug runs).
+struct QueuedTask {
+    uint4 words;
+
+    MEGAMOE_DEVICE bool valid() const { return words.x != kEndOfTasks; }
+    MEGAMOE_DEVICE FusedPhase phase() const { return static_cast<FusedPhase>(words.x >> 31); }
+    MEGAMOE_DEVICE uint32_t expert_idx() const { return words.x & 0x7fffffffu; }
+    MEGAMOE_DEVICE uint32_t n_block_idx() const { return words.y; }
+    MEGAMOE_DEVICE uint32_t pool_block_idx() const { return words.z; }
+    MEGAMOE_DEVICE uint32_t num_valid_rows() const { return words.w; }
+};
+
+// kNumSlots tasks in flight, each slot guarded by a full barrier (1 arrival: the pushing lane) and an empty
+// barrier (one arrival per popping warp).
+// NOTES: the push's st.shared precedes its mbarrier.arrive (release, CTA scope); the pop's try_wait acquires, so
+// the slot's words are visible to every thread that waited. The pusher reuses a slot only after every popping
+// warp arrived on its empty barrier, i.e. after each lane's load of the words (ordered by __syncwarp).
+// Deadlock freedom: the TMA-A warp pushes a task before any wait on its inputs, and a consumer pops task i + 1
+// only after it has consumed task i's pipeline stages, which the TMA-A warp issued before pushing task i + 1; with
+// kNumSlots >= 2 the push of task i + 2 waits only for pops of task i, which need nothing later.
+template <uint32_t kNumSlots>
+struct TaskQueue {
+    static_assert(kNumSlots >= 2, "a push must not wait for the pop of the task before it");
+    static constexpr uint32_t kBytes = kNumSlots * 16 + 2 * kNumSlots * 8;
+
+    uint8_t* base;  // kNumSlots x 16 B tasks, then kNumSlots full and kNumSlots empty barriers
+
+    MEGAMOE_DEVICE uint4* slots() const { return reinterpret_cast<uint4*>(base); }
+    MEGAMOE_DEVICE uint64_t* full_barriers() const { return reinterpret_cast<uint64_t*>(base + kNumSlots * 16); }
+    MEGAMOE_DEVICE uint64_t* empty_barriers() const { return full_barriers() + kNumSlots; }
+
+    // One thread; fence_mbarrier_init + a CTA barrier must follow before use.
+    MEGAMOE_DEVICE void init(uint32_t num_popping_warps) const {
+        #pragma unroll
+        for (uint32_t i = 0; i < kNumSlots; ++ i) {
+            ptx::mbarrier_init(full_barriers() + i, 1);
+            ptx::mbarrier_init(empty_barriers() + i, num_popping_warps);
+        }
+    }
+
+    // The pushing lane: wait for the slot to be free (the flipped parity passes on the first round), write, arrive.
+    MEGAMOE_DEVICE void push(const DeviceEnv& env, gemm::PipelineState<kNumSlots>& state, uint4 words) const {
+        ptx::mbarrier_wait<false>(env, "task_empty", empty_barriers() + state.stage, state.phase ^ 1);
+        volatile uint4* slot = slots() + state.stage;
+        slot->x = words.x;
+        slot->y = words.y;
+        slot->z = words.z;
+        slot->w = words.w;
+        ptx::mbarrier_arrive_if_at(smem_addr(full_barriers() + state.stage), true);
+        state.advance();
+    }
+
+    // The next task, by one lane for its warp (the TMA-B warp's issuing lane): wait, copy, free the slot.
+    MEGAMOE_DEVICE QueuedTask pop(const DeviceEnv& env, gemm::PipelineState<kNumSlots>& state) const {
+        wait_full(env, state.stage, state.phase);
+        const QueuedTask task = peek(state.stage);
+        release(state.stage, true);
+        state.advance();
+        return task;
+    }
+
+    // The math warps keep their current and next task in the slots rather than in registers (held across the
+    // mainloop they spilled): wait for a slot, read its words on each use, release it once the task is done.
+    MEGAMOE_DEVICE void wait_full(const DeviceEnv& env, uint32_t stage, uint32_t phase) const {
+        ptx::mbarrier_wait<false>(env, "task_full", full_barriers() + stage, phase);
+    }
+    // NOTES: one 16 B load from an address computed from `stage`: four volatile word loads made the compiler keep
+    // four loop-carried slot pointers (strength-reduced) across the math warps' mainloop, where they spilled.
+    MEGAMOE_DEVICE QueuedTask peek(uint32_t stage) const {
+        return QueuedTask{ld_volatile_shared_v4(smem_addr(slots()) + stage * 16)};
+    }
+    // One arrival per popping warp: its lanes' reads of the slot are ordered before by __syncwarp.
+    MEGAMOE_DEVICE void release(uint32_t stage, bool is_arriving_lane) const {
+        ptx::mbarrier_arrive_if_at(smem_addr(empty_barriers() + stage), is_arriving_lane);
+    }
+};
+
+}  // namespace megamoe::assembler
