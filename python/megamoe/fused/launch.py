@@ -49,6 +49,27 @@ def tensor_maps(config: FusedConfig, buf: SymmBuffer, l1: WeightPair, l2: Weight
     ]
 
 
+def _variant(buf: SymmBuffer, activation_clamp: float | None, fast_math: bool,
+             expected_tokens_per_expert: float | None, serial: bool):
+    from megamoe.jit import runtime
+
+    config = config_for(buf.layout, expected_tokens_per_expert=expected_tokens_per_expert,
+                        clamp=activation_clamp is not None, fast_math=fast_math, serial=serial)
+    return config, runtime.kernel_for(compile_fused, config, NUM_THREADS)
+
+
+def prepare(buf: SymmBuffer, *, activation_clamp: float | None = None, fast_math: bool = True,
+            expected_tokens_per_expert: float | None = None, serial: bool = True) -> FusedConfig:
+    """Compile and load the variant `run` launches with these arguments, and allocate the timeout records, so
+    that `run` does no driver work or allocation before its launch (megamoe.testing.virtual_ranks)."""
+    from megamoe.jit.diagnostics import timeout_records
+
+    config, kernel = _variant(buf, activation_clamp, fast_math, expected_tokens_per_expert, serial)
+    kernel.load(buf.device, config.smem_bytes)
+    timeout_records()
+    return config
+
+
 def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_tokens: int, *,
         recv_stats: torch.Tensor | None = None, activation_clamp: float | None = None, fast_math: bool = True,
         expected_tokens_per_expert: float | None = None, serial: bool = True, num_sms: int | None = None,
@@ -62,9 +83,7 @@ def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_to
     from megamoe.kernels.dispatch_combine import sym_buffer_struct
 
     grid = num_sms or runtime.num_sms(buf.device)
-    config = config_for(buf.layout, expected_tokens_per_expert=expected_tokens_per_expert,
-                        clamp=activation_clamp is not None, fast_math=fast_math, serial=serial)
-    kernel = runtime.kernel_for(compile_fused, config, NUM_THREADS)
+    config, kernel = _variant(buf, activation_clamp, fast_math, expected_tokens_per_expert, serial)
     capacity = 0
     if task_dump is not None:
         if task_dump.dtype != torch.int32 or task_dump.dim() != 2 or task_dump.shape[0] != grid or \

@@ -136,6 +136,11 @@ class Kernel:
     _loaded: dict[int, LaunchedModule] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def load(self, device: torch.device, dynamic_smem_bytes: int) -> None:
+        """Load the module on `device` and allow `dynamic_smem_bytes` now, so that a later launch does no driver
+        work first (concurrent cooperative launches: megamoe.testing.virtual_ranks)."""
+        self._function(device.index if device.index is not None else torch.cuda.current_device(), dynamic_smem_bytes)
+
     def _function(self, device_index: int, dynamic_smem_bytes: int) -> Any:
         with self._lock:
             loaded = self._loaded.get(device_index)

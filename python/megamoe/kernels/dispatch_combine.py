@@ -557,14 +557,15 @@ def run(buf: SymmBuffer, num_tokens: int, y: torch.Tensor, *, block_m: int | Non
         recv_stats: torch.Tensor | None = None, bulk_pull: bool = True, knobs: Mapping[str, Any] | None = None,
         check_inputs: bool = True,
         debug_skip_launch: bool = False, debug_hang: bool = False, timeout_s: float | None = None,
-        phase_times: PhaseTimes | None = None, stream: torch.cuda.Stream | None = None) -> DispatchCombineConfig:
+        phase_times: PhaseTimes | None = None, stream: torch.cuda.Stream | None = None,
+        num_sms: int | None = None) -> DispatchCombineConfig:
     """Launch the unit kernel for this rank's first `num_tokens` tokens in `buf` (collective over buf.group:
     every rank launches, in the same order, with the same block_m, bulk_pull and knobs). y: BF16 [num_tokens, H].
     recv_stats: optional int32 [E_local], += rows received per local expert.
     debug_skip_launch: this rank does not launch (its peers must time out); debug_hang: the dispatch barrier
     waits for an unreachable value (a timeout on one GPU). timeout_s overrides MEGAMOE_TIMEOUT_S.
     phase_times: a jit.diagnostics.PhaseTimes(PHASES, device) the kernel fills with when its warps ended each
-    phase (profiling)."""
+    phase (profiling). num_sms: the grid size (default: every SM; virtual ranks share one GPU's SMs)."""
     from megamoe.jit import runtime
     from megamoe.jit.diagnostics import timeout_records
 
@@ -584,5 +585,18 @@ def run(buf: SymmBuffer, num_tokens: int, y: torch.Tensor, *, block_m: int | Non
     args = [sym_buffer_struct(buf), runtime.u32(num_tokens), runtime.ptr(y if num_tokens else None),
             runtime.ptr(recv_stats), runtime.u32(DEBUG_HANG_AT_DISPATCH_BARRIER if debug_hang else 0), env,
             runtime.ptr(phase_times.times if phase_times is not None else None)]
-    kernel.launch(runtime.num_sms(buf.device), args, config.smem_bytes, device=buf.device, stream=stream)
+    kernel.launch(num_sms or runtime.num_sms(buf.device), args, config.smem_bytes, device=buf.device, stream=stream)
+    return config
+
+
+def prepare(buf: SymmBuffer, block_m: int | None = None, bulk_pull: bool = True,
+            knobs: Mapping[str, Any] | None = None) -> DispatchCombineConfig:
+    """Compile and load the variant `run` launches with these arguments and allocate the timeout records, so that
+    `run` does no driver work or allocation before its launch (megamoe.testing.virtual_ranks)."""
+    from megamoe.jit import runtime
+    from megamoe.jit.diagnostics import timeout_records
+
+    config = config_for(buf, block_m, bulk_pull, knobs)
+    runtime.kernel_for(compile_kernel, config, NUM_THREADS).load(buf.device, config.smem_bytes)
+    timeout_records()
     return config

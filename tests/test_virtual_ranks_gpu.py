@@ -1,0 +1,134 @@
+"""Virtual ranks on one H200 (gpu tier, megamoe.testing.virtual_ranks): R ranks as R concurrent cooperative
+launches of floor(132 / R) CTAs over R plain buffers sharing one buffer_ptrs list. Cross-rank pulls, combine
+scatters, the NVLink barriers and the clean run as between GPUs (peer-mapped TMA and cross-GPU ordering do not:
+the multigpu tier covers them).
+
+- The fused kernel at R = 2 and 4, ranks with different T (one with T = 0), recv stats, two calls per case (the
+  second on the workspace the first one cleaned): y against reference.moe on every rank.
+- The dispatch/combine unit kernel's exact 2-rank cases (its multigpu tier's `_scenario_exact` matrix: every
+  routing x BLOCK_M, T = T_max on both ranks, T = 0 on one): pool rows, SF, weights, metadata, counts and y bit for
+  bit, and the workspace's state after all calls.
+Inputs fresh per case (seed printed), outputs and pool poisoned before every launch."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from megamoe import reference, weights  # noqa: E402
+from megamoe.testing.virtual_ranks import grid_per_rank, launch_concurrently, virtual_rank_buffers  # noqa: E402
+from test_fused_e2e_gpu import _check_clean, _check_y, _fill  # noqa: E402
+from test_fused_gpu import _seed  # noqa: E402
+
+# (E per rank, top-k, H, I, T_max): E_local 8
+FUSED_SHAPE = (8, 6, 2048, 1024, 128)
+
+
+FUSED_TOKENS = [[128, 0], [77, 128], [100, 0, 37, 128], [1, 128, 128, 64]]
+
+
+@pytest.mark.compile
+def test_virtual_rank_variants_compile() -> None:
+    """compile tier: the variants this file launches (so the carried JIT cache holds them)."""
+    from megamoe.fused import compile_fused, config_for
+    from megamoe.kernels import dispatch_combine as dc
+    from megamoe.layout import SymmLayout
+
+    experts_per_rank, num_topk, hidden, intermediate, max_tokens = FUSED_SHAPE
+    for num_ranks in sorted({len(t) for t in FUSED_TOKENS}):
+        compile_fused(config_for(SymmLayout.create(num_ranks, experts_per_rank * num_ranks, max_tokens, num_topk,
+                                                   hidden, intermediate)))
+    buf = virtual_rank_buffers(*DC_SHAPE, device="cpu")[0]
+    for block_m in (32, 64, 128):
+        dc.compile_kernel(dc.config_for(buf, block_m))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", FUSED_TOKENS,
+                         ids=lambda t: "T" + "_".join(map(str, t)))
+def test_fused_virtual_ranks(tokens: list[int]) -> None:
+    from megamoe.fused.launch import prepare, run
+
+    num_ranks = len(tokens)
+    experts_per_rank, num_topk, hidden, intermediate, max_tokens = FUSED_SHAPE
+    num_experts = experts_per_rank * num_ranks
+    seed = _seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rc = reference.random_case(tokens, hidden, intermediate, num_experts, num_topk, num_ranks=num_ranks,
+                               mask_prob=0.1, generator=gen, device="cuda")
+    bufs = virtual_rank_buffers(num_ranks, num_experts, max_tokens, num_topk, hidden, intermediate)
+    pairs = [weights.transform_weights(rc.l1_weights[r], rc.l2_weights[r]) for r in range(num_ranks)]
+    stats = [torch.randint(0, 100, (experts_per_rank,), dtype=torch.int32, generator=gen, device="cuda")
+             for _ in range(num_ranks)]
+    initial = [s.clone() for s in stats]
+    stats_ref = [s.clone() for s in stats]
+    y_refs = reference.moe(rc.x, rc.x_sf, rc.topk_idx, rc.topk_weights, rc.l1_weights, rc.l2_weights,
+                           fast_math=True, cumulative_local_expert_recv_stats=stats_ref)
+    ys = [torch.empty(t, hidden, dtype=torch.bfloat16, device="cuda") for t in tokens]
+    grid = grid_per_rank(num_ranks)
+    for buf in bufs:
+        prepare(buf)
+    for call in range(2):
+        for r, buf in enumerate(bufs):
+            _fill(buf, rc.x[r], rc.x_sf[r], rc.topk_idx[r], rc.topk_weights[r])
+            ys[r].fill_(float("nan"))
+        launch_concurrently([
+            lambda stream, r=r: run(ys[r], pairs[r][0], pairs[r][1], bufs[r], tokens[r], recv_stats=stats[r],
+                                    num_sms=grid, stream=stream)
+            for r in range(num_ranks)])
+        for r in range(num_ranks):
+            tag = f"seed {seed} R {num_ranks} T {tokens} call {call} rank {r}"
+            err = _check_y(tag, ys[r], y_refs[r])
+            _check_clean(tag, bufs[r])
+            print(f"{tag}: y rel-L2 {err:.3e}")
+    # Two calls each added what every local expert received (counted across the ranks); the reference added it once
+    for r in range(num_ranks):
+        rows = stats_ref[r] - initial[r]
+        assert torch.equal(stats[r], initial[r] + 2 * rows), (f"seed {seed} rank {r}: recv stats "
+                                                              f"{stats[r].tolist()}, expected initial + 2 x {rows.tolist()}")
+
+
+# The dispatch/combine unit kernel's 2-rank shape (tests/test_dispatch_combine_multigpu.py: SHAPE)
+DC_SHAPE = (2, 8, 256, 4, 512, 128)
+
+
+@pytest.mark.gpu
+def test_dispatch_combine_virtual_2_ranks() -> None:
+    from megamoe.kernels import dispatch_combine as dc
+    from megamoe.testing import dispatch_combine as dcc
+
+    num_ranks, num_experts, t_max, num_topk, hidden, intermediate = DC_SHAPE
+    bufs = virtual_rank_buffers(num_ranks, num_experts, t_max, num_topk, hidden, intermediate)
+    grid = grid_per_rank(num_ranks)
+    token_cases = {"random": None, "max": [t_max, t_max], "zero_on_rank1": [t_max // 2, 0], "zero_on_rank0": [0, 37]}
+    errors, num_calls = [], 0
+    base_seed = _seed()
+    rng = random.Random(base_seed)
+    for block_m in (32, 64, 128):
+        for buf in bufs:
+            dc.prepare(buf, block_m)
+        for routing in dcc.ROUTINGS:
+            for label, counts in token_cases.items():
+                counts = counts or [rng.randint(1, t_max) for _ in range(num_ranks)]
+                seed = rng.randrange(1 << 30)
+                inputs = dcc.random_inputs(bufs[0].layout, counts, routing, seed=seed)
+                ys, stats = [], []
+                for buf in bufs:
+                    num_tokens = dcc.load_inputs(buf, inputs[buf.rank])
+                    ys.append(torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=buf.device))
+                    stats.append(torch.zeros(buf.layout.num_local_experts, dtype=torch.int32, device=buf.device))
+                    dcc.poison(buf, ys[-1])
+                launch_concurrently([
+                    lambda stream, r=r: dc.run(bufs[r], counts[r], ys[r], block_m=block_m, recv_stats=stats[r],
+                                               check_inputs=False, stream=stream, num_sms=grid)
+                    for r in range(num_ranks)])
+                num_calls += 1
+                for r, buf in enumerate(bufs):
+                    errors += [f"bm={block_m} {routing} {label} T={counts} seed {seed} rank {r}: {e}"
+                               for e in dcc.call_errors(buf, inputs, ys[r], stats[r], block_m)]
+    for buf in bufs:
+        errors += [f"rank {buf.rank}: {e}" for e in dcc.workspace_errors(buf, num_calls)]
+    print(f"seed {base_seed}: {num_calls} two-rank calls, {len(errors)} mismatches")
+    assert not errors, "\n".join(errors[:20])
