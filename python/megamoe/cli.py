@@ -40,6 +40,8 @@ def bench_options(args: argparse.Namespace) -> dict:
     from megamoe.bench import comm as bench_comm
 
     given = [f"--{name.replace('_', '-')}" for name in COMM_ONLY_OPTIONS if getattr(args, name) not in (None, False)]
+    if args.name == "fused" and given == ["--compile-only"]:
+        return {}
     if args.name != "comm":
         if given:
             raise ValueError(f"{', '.join(given)} only apply to `megamoe bench comm`")
@@ -67,6 +69,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.compile_only:
         from rich.console import Console
 
+        if args.name == "fused":
+            from megamoe.bench.fused import precompile_fused
+
+            precompile_fused()
+            return 0
         from megamoe.bench.comm import precompile_comm
 
         precompile_comm(console=Console(), **options)
@@ -108,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     comm.add_argument("--warmup", type=int, default=None, help="warm-up runs per implementation (default 10)")
     comm.add_argument("--iters", type=int, default=None, help="timed runs per implementation (default 50)")
     comm.add_argument("--compile-only", action="store_true",
-                      help="compile every unit-kernel variant the bench launches into the JIT cache (no GPU)")
+                      help="compile every kernel variant the bench launches into the JIT cache (no GPU; comm, fused)")
     comm.add_argument("--ranks", default=None, help="with --compile-only: rank counts (default 2,4,8)")
     bench.set_defaults(fn=_cmd_bench)
 

@@ -6,6 +6,8 @@ the times against the H200's measured ceilings.
   ffn        the local expert FFN unit kernel against the same recipe unfused through cuBLAS, one GPU
   comm       the dispatch -> trivial expert -> combine unit kernel against an NCCL all_to_all_single round trip,
              one process per GPU; `megamoe bench comm --compile-only` fills the JIT cache without a GPU
+  fused      the fused kernel (phase-serial and overlapped) beside the expert-FFN unit kernel on the same rows,
+             warm and cold L2, one GPU; `megamoe bench fused --compile-only` fills the JIT cache without a GPU
   comm_nccl  that NCCL baseline
   timing     the timers (CUDA events, shuffled rounds, graphs, queued runs) and the ceilings
   results    the records (Measurement, CaseResult), table cells and JSON of every bench
@@ -20,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-BENCHES = ("gemm", "comm", "ffn")
+BENCHES = ("gemm", "comm", "ffn", "fused")
 
 
 def resolve(name: str) -> tuple[Callable[..., list], Callable[[list], tuple[dict[str, Any], Any]]]:

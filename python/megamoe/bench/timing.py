@@ -17,6 +17,7 @@ HBM_READ_TBPS = 4.36
 FP8_DENSE_TFLOPS = 1350.0
 BF16_DENSE_TFLOPS = 780.0
 MAX_SLEEP_US = 200_000.0  # time_queued_us: the longest sleep it queues ahead of the timed runs
+L2_FLUSH_BYTES = 256 << 20  # a write this large evicts the H200's 50 MB L2 (the cold-L2 timings)
 GPU_CYCLES_PER_US = 2000  # torch.cuda._sleep spins in SM cycles; the H200 clocks at most 1.98 GHz: errs long
 
 
@@ -50,6 +51,16 @@ def time_rounds(runners: dict[str, Callable[[], None]], *, rounds: int, iters: i
         for name in order:
             times[name].append(time_us(runners[name], iters=iters))
     return times
+
+
+def l2_flusher(device: torch.device | str = "cuda") -> Callable[[], None]:
+    """A `before` for time_queued_us: writes L2_FLUSH_BYTES, so the timed run starts with a cold L2."""
+    scratch = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+
+    def flush() -> None:
+        scratch.fill_(0x5A)
+
+    return flush
 
 
 def graphed(fn: Callable[[], None], capture_error_mode: str = "global") -> Callable[[], None]:
@@ -100,11 +111,13 @@ def time_stages_us(stages: Sequence[Callable[[Any], Any]], *, warmup: int = 5, i
     return [statistics.median(totals)] + [statistics.median(t) for t in per_stage]
 
 
-def time_queued_us(fn: Callable[[], Any], *, warmup: int = 5, iters: int = 30) -> dict[str, float]:
+def time_queued_us(fn: Callable[[], Any], *, warmup: int = 5, iters: int = 30,
+                   before: Callable[[], Any] | None = None) -> dict[str, float]:
     """`iters` back-to-back runs of fn, each between its own CUDA events, enqueued behind a sleep kernel long
     enough for the host to enqueue them all: the intervals are GPU time, not launch overhead (collective kernels
-    keep their ranks in step by themselves). Returns median/mean/min/max (us), the host's time per call, the sleep
-    and host_bound = 1.0 when the host still fell behind (the numbers then include launch overhead)."""
+    keep their ranks in step by themselves). `before` (e.g. an L2 flush) runs ahead of each timed run, outside its
+    interval. Returns median/mean/min/max (us), the host's time per call, the sleep and host_bound = 1.0 when the
+    host still fell behind (the numbers then include launch overhead)."""
     host = []
     for _ in range(warmup):
         wall = time.perf_counter()
@@ -117,13 +130,25 @@ def time_queued_us(fn: Callable[[], Any], *, warmup: int = 5, iters: int = 30) -
     events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
     torch.cuda._sleep(int(sleep_us * GPU_CYCLES_PER_US))
     wall = time.perf_counter()
-    for i in range(iters):
-        events[i].record()
-        fn()
-    events[-1].record()
+    if before is None:
+        for i in range(iters):
+            events[i].record()
+            fn()
+        events[-1].record()
+    else:
+        stops = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for i in range(iters):
+            before()
+            events[i].record()
+            fn()
+            stops[i].record()
+        events[-1].record()
     enqueue_us = (time.perf_counter() - wall) * 1e6
     events[-1].synchronize()
-    times = [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(iters)]
-    return {"median_us": statistics.median(times), "mean_us": events[0].elapsed_time(events[-1]) * 1e3 / iters,
+    if before is None:
+        times = [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(iters)]
+    else:
+        times = [events[i].elapsed_time(stops[i]) * 1e3 for i in range(iters)]
+    return {"median_us": statistics.median(times), "mean_us": statistics.mean(times),
             "min_us": min(times), "max_us": max(times), "host_us_per_call": enqueue_us / iters,
             "sleep_us": sleep_us, "host_bound": float(enqueue_us > sleep_us)}
