@@ -88,7 +88,8 @@ def test_source_and_smem_plan() -> None:
     assert dc.combine_chunk_bytes(128) == 256 and dc.combine_chunk_bytes(7168) == 1024
     with pytest.raises(ValueError, match="block_m"):
         _config(MULTI, 48, True)
-    assert dc.SymBufferStruct.rank_idx.offset == 64 and dc.SymBufferStruct.num_ranks.offset == 68
+    assert dc.SymBufferStruct.local_ptr.offset == 64
+    assert dc.SymBufferStruct.rank_idx.offset == 72 and dc.SymBufferStruct.num_ranks.offset == 76
 
 
 @pytest.mark.parametrize("routing", dcc.ROUTINGS)

@@ -1,6 +1,7 @@
 """`megamoe demo`: the MoE layer on a DSV4-Flash-like config. Prints the config, the symmetric layout and a phase
-report. Without an SM90 GPU every phase runs in the reference; with one, the phases built so far run as kernels
-and are checked against the reference, and the rest say so (never pretending)."""
+report. Without an SM90 GPU every phase runs in the reference; with one, rank 0's tokens and local experts run
+through the GEMM component (each GEMM on the reference's pool) and through the fused kernel as one rank, each
+checked against the reference."""
 from __future__ import annotations
 
 import math
@@ -110,6 +111,38 @@ def _gemm_phases(cfg: DemoConfig, problem: RankProblem, inter: reference.RankInt
     return rows
 
 
+def _fused_phases(cfg: DemoConfig, problem: RankProblem, inter: reference.RankIntermediates) -> list[PhaseRow]:
+    """Rank 0's problem through megamoe.fused on one GPU (its local experts as a 1-rank layout)."""
+    import megamoe
+    from megamoe.bench.timing import time_queued_us
+    from megamoe.buffer import allocate
+    from megamoe.fused import config_for
+
+    t, e = cfg.num_tokens, cfg.num_local_experts
+    layout = SymmLayout.create(1, e, t, problem.topk_idx.shape[1], cfg.hidden, cfg.intermediate)
+    buf = allocate(None, layout, torch.device("cuda"))
+    l1, l2 = megamoe.transform_weights(problem.l1, problem.l2)
+    for name in ("x", "x_sf", "topk_idx", "topk_weights"):
+        getattr(buf, name)[:t].copy_(getattr(problem, name))
+    stats = torch.zeros(e, dtype=torch.int32, device="cuda")
+    y = torch.full((t, cfg.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    start = time.perf_counter()
+    megamoe.fused(y, l1, l2, buf, t, stats)
+    torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - start) * 1e3
+    counts = [ex.x.shape[0] for ex in inter.experts]
+    timed = time_queued_us(lambda: megamoe.fused(y, l1, l2, buf, t, check_inputs=False), warmup=3, iters=20)
+    fused_config = config_for(layout)
+    return [
+        PhaseRow("dispatch (fused kernel)", "kernel", f"recv counts per local expert "
+                 f"{'equal to' if stats.tolist() == counts else 'DIFFERENT FROM'} the reference's",
+                 "exact" if stats.tolist() == counts else f"{stats.tolist()} vs {counts}"),
+        PhaseRow("fused kernel", "kernel", f"one launch ({fused_config.name}); first call {first_ms:.1f} ms incl. "
+                 f"JIT/load, then median {timed['median_us']:.1f} us of 20",
+                 f"y rel-L2 vs reference {reference.rel_l2(y.float(), inter.y.float()):.2e}"),
+    ]
+
+
 def run(cfg: DemoConfig) -> None:
     has_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
     device = torch.device("cuda" if has_sm90 else "cpu")
@@ -140,10 +173,9 @@ def run(cfg: DemoConfig) -> None:
                      f"{sum(-(-c // config.block_m) for c in counts)} pool blocks of {config.block_m}",
                      "pool = reference intermediates")]
     if has_sm90:
+        rows[0] = PhaseRow("dispatch", "reference", rows[0].detail, rows[0].check)
         rows += _gemm_phases(cfg, problem, inter, config)
-        rows.insert(2, PhaseRow("SwiGLU + requant", "not built yet", "epilogue component pending", ""))
-        rows += [PhaseRow("combine", "not built yet", "dispatch/combine component pending", ""),
-                 PhaseRow("fused kernel", "not built yet", "assembler pending: megamoe.fused raises", "")]
+        rows += _fused_phases(cfg, problem, inter)
     else:
         rows += [PhaseRow("L1 GEMM", "reference", "per-128-K promoted FP8 dot products", ""),
                  PhaseRow("SwiGLU + requant", "reference", f"{codes} FP8 codes, per-64 float SF", ""),

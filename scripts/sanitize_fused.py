@@ -1,0 +1,35 @@
+"""One small fused call for compute-sanitizer (memcheck, racecheck, synccheck): E 8, H 1024, I 512, top-6, T 64 on
+8 CTAs, y checked against the reference. Usage on the GPU machine (PYTHONPATH=python, MEGAMOE_TIMEOUT_S large: the
+tools slow the spin-waits down):
+  compute-sanitizer --tool racecheck python3 scripts/sanitize_fused.py"""
+from __future__ import annotations
+
+import torch
+
+from megamoe import reference, weights
+from megamoe.buffer import allocate
+from megamoe.fused.launch import run
+from megamoe.layout import SymmLayout
+
+
+def main() -> None:
+    num_tokens, hidden, intermediate, num_experts, num_topk = 64, 1024, 512, 8, 6
+    rc = reference.random_case(num_tokens, hidden, intermediate, num_experts, num_topk, mask_prob=0.1,
+                               generator=torch.Generator().manual_seed(0), device="cuda")
+    buf = allocate(None, SymmLayout.create(1, num_experts, 128, num_topk, hidden, intermediate), torch.device("cuda"))
+    l1, l2 = weights.transform_weights(rc.l1_weights[0], rc.l2_weights[0])
+    for name, value in (("x", rc.x[0]), ("x_sf", rc.x_sf[0]), ("topk_idx", rc.topk_idx[0]),
+                        ("topk_weights", rc.topk_weights[0])):
+        getattr(buf, name)[:num_tokens].copy_(value)
+    y = torch.full((num_tokens, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    run(y, l1, l2, buf, num_tokens, num_sms=8)
+    torch.cuda.synchronize()
+    y_ref = reference.moe(rc.x[0], rc.x_sf[0], rc.topk_idx[0], rc.topk_weights[0], rc.l1_weights[0],
+                          rc.l2_weights[0], fast_math=True)
+    err = reference.rel_l2(y.float(), y_ref.float())
+    print(f"sanitize_fused: y rel-L2 {err:.3e}")
+    assert err <= 1e-2, err
+
+
+if __name__ == "__main__":
+    main()
