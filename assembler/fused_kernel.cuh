@@ -14,20 +14,11 @@
 // record of its (SM, role) and traps, never printf (a call reachable here makes ptxas serialize the WGMMAs).
 #pragma once
 
-#include "combine/clean.cuh"
 #include "combine/reduce.cuh"
-#include "common/nvlink_barrier.cuh"
-#include "dispatch/count.cuh"
+#include "dispatch_phases.cuh"
 #include "fused_roles.cuh"
 
 namespace megamoe::assembler {
-
-// The NVLink barrier words of this rank's workspace header.
-MEGAMOE_DEVICE BarrierWords barrier_words(const SymBuffer& sym) {
-    uint32_t* header = sym.local<uint32_t>(layout::kWorkspaceHeaderOffset);
-    return BarrierWords{header + layout::kGridSyncCounterIdx, header + layout::kNvlBarrierCounterIdx,
-                        header + layout::kNvlBarrierSignalIdx};
-}
 
 // Head, every thread: init the ring and pull barriers; count, reserve, notify; the dispatch barrier; the receive
 // table (every CTA) and recv stats (CTA 0). Leaves the NVLink barrier ordinal in shared memory for the tail.
@@ -52,12 +43,10 @@ MEGAMOE_DEVICE void fused_head(const FusedContext<T>& ctx) {
             ptx::mbarrier_init(ctx.pull_barriers + i, 1);
         ptx::fence_mbarrier_init();
     }
-    const auto sync_cta = []() { __syncthreads(); };
-    const BarrierWords words = barrier_words(sym);
     // NOTES: every thread reads the NVLink barrier counter before its CTA's first grid-sync arrival; CTA 0 moves
     // it only after that grid sync (nvlink_barrier_polled), and earlier calls' moves are ordered by the kernel
     // boundary. Thread 0 keeps it in shared memory for the tail (published by the CTA barriers in between).
-    const uint32_t nvl_ordinal = *words.nvl_counter;
+    const uint32_t nvl_ordinal = *barrier_words(sym).nvl_counter;
     if (thread_idx == 0) {
         ctx.misc[0] = nvl_ordinal;
         ctx.misc[1] = cta_idx;
@@ -65,35 +54,20 @@ MEGAMOE_DEVICE void fused_head(const FusedContext<T>& ctx) {
     }
     __syncthreads();
 
-    dispatch::count_and_notify<kNumThreads, false>(sym, ctx.p.num_tokens, ctx.expert_count, cta_idx, num_ctas,
-                                                   thread_idx, sync_cta,
-                                                   sym.local<uint32_t>(layout::kWorkspaceHeaderOffset) +
-                                                       layout::kErrorFlagsIdx);
-    nvlink_barrier_polled<false>(tiered_env(ctx.env, kTierPeer, kRoleCommon),
-                                 BarrierTags{"gs0_dispatch", "nvl_dispatch", ""}, sym, words, nvl_ordinal, cta_idx,
-                                 num_ctas, thread_idx, sync_cta, []() {}, []() {},
-                                 (ctx.p.debug_flags & kDebugHangAtDispatchBarrier) != 0);
-    dispatch::prefetch_recv_counts<kNumThreads>(ctx.table, sym, thread_idx);
-    __syncthreads();
-    if (thread_idx < 32)
-        dispatch::build_recv_table<T::BLOCK_M, true>(ctx.table, sym, thread_idx);
-    __syncthreads();
-    if (cta_idx == 0)
-        dispatch::add_recv_stats<kNumThreads>(ctx.table, ctx.p.recv_stats, thread_idx);
+    const HeadArgs head{ctx.p.num_tokens, ctx.expert_count, ctx.table, ctx.p.recv_stats,
+                        sym.local<uint32_t>(layout::kWorkspaceHeaderOffset) + layout::kErrorFlagsIdx,
+                        (ctx.p.debug_flags & kDebugHangAtDispatchBarrier) != 0};
+    dispatch_head<kNumThreads, T::BLOCK_M, false>(tiered_env(ctx.env, kTierPeer, kRoleCommon), sym, head, nvl_ordinal,
+                                                  cta_idx, num_ctas, thread_idx, [](uint32_t) {});
 }
 
 // Tail, every thread: every rank's rows have been reduced where they belong; clean this call's counters and meet
 // the peers (the clean folded into the combine barrier: combine/clean.cuh).
 template <typename T>
 MEGAMOE_DEVICE void fused_tail(const FusedContext<T>& ctx) {
-    constexpr uint32_t kNumThreads = megamoe::kNumThreads;
-    const uint32_t thread_idx = threadIdx.x, cta_idx = ctx.cta_idx(), num_ctas = ctx.num_ctas();
-    const SymBuffer& sym = ctx.sym;
-    nvlink_barrier_polled<false>(
-        tiered_env(ctx.env, kTierArrival, kRoleCommon), BarrierTags{"gs0_combine", "nvl_combine", ""}, sym,
-        barrier_words(sym), ld_volatile_shared(ctx.misc) + 1u, cta_idx, num_ctas, thread_idx, []() { __syncthreads(); },
-        [&]() { combine::clean_recv_counts<kNumThreads>(sym, thread_idx); },
-        [&]() { combine::clean_local_counters<kNumThreads>(sym, cta_idx, num_ctas, thread_idx); });
+    combine_tail<megamoe::kNumThreads, false>(tiered_env(ctx.env, kTierArrival, kRoleCommon), ctx.sym,
+                                              ld_volatile_shared(ctx.misc) + 1u, ctx.cta_idx(), ctx.num_ctas(),
+                                              threadIdx.x);
 }
 
 // NOTES: each phase builds its own context from kernel constants (parameters, the shared-memory base): a

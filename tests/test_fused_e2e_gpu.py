@@ -1,7 +1,7 @@
 """The fused kernel end to end beyond the small layouts of test_fused_gpu.py: a covering sample of the shape and
 option matrix (E 8/32/48/256, top-6/8, H x I 4096 x 2048 / 7168 x 2048 / 7168 x 3072, masked slots, a hot
 expert, empty experts, clamp, exact math, every BLOCK_M forced, recv stats), 200 back-to-back calls with T and
-routing changing, and one CUDA graph replayed 100 times with new inputs.
+routing changing, one CUDA graph replayed 100 times with new inputs, and one buffer serving two layers in one graph.
 
 Every call: fresh random inputs (seed printed; weights drawn on the GPU), y and the intermediates poisoned before
 the launch, the CUDA error state checked by the synchronize, y against megamoe.reference.moe, the workspace
@@ -232,3 +232,50 @@ def test_fused_cuda_graph_replays() -> None:
         worst = max(worst, _check_y(f"seed {seed} replay {replay}", y, y_ref))
         _check_clean(f"seed {seed} replay {replay}", buf)
     print(f"seed {seed}: {NUM_GRAPH_REPLAYS} replays, worst y rel-L2 {worst:.3e}")
+
+
+@pytest.mark.gpu
+def test_fused_one_buffer_two_layers_in_one_graph() -> None:
+    """Two MoE layers (their own weights and routing) through one symmetric buffer in one CUDA graph: each layer's
+    inputs copied into the buffer inside the graph (from staging tensors refreshed before each replay), then its
+    fused call; 10 replays with new inputs, both layers' y checked each time (the second call runs on the
+    workspace the first one cleaned, inside one graph)."""
+    seed = _seed()
+    num_experts, num_topk, hidden, intermediate, _ = REPEAT_LAYOUT
+    num_tokens = [64, 101]
+    gen, rc, buf, l1, l2 = _repeat_setup(seed)
+    rc2 = reference.random_case(1, hidden, intermediate, num_experts, num_topk, generator=gen, device="cuda")
+    layers = [(rc, l1, l2), (rc2, *weights.transform_weights(rc2.l1_weights[0], rc2.l2_weights[0]))]
+    staging = [_draw_inputs(t, hidden, num_experts, num_topk, gen) for t in num_tokens]
+    ys = [torch.full((t, hidden), float("nan"), dtype=torch.bfloat16, device="cuda") for t in num_tokens]
+
+    def forward(check_inputs: bool) -> None:
+        for (_, w1, w2), inputs, y, t in zip(layers, staging, ys, num_tokens):
+            for name, value in zip(("x", "x_sf", "topk_idx", "topk_weights"), inputs):
+                getattr(buf, name)[:t].copy_(value)
+            megamoe.fused(y, w1, w2, buf, t, check_inputs=check_inputs)
+
+    _poison(buf)
+    forward(True)  # outside the capture: compile and load both variants (one here: the same layout)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            forward(False)
+    torch.cuda.synchronize()
+    worst = 0.0
+    for replay in range(10):
+        for inputs, t in zip(staging, num_tokens):
+            for dst, src in zip(inputs, _draw_inputs(t, hidden, num_experts, num_topk, gen)):
+                dst.copy_(src)
+        for y in ys:
+            y.fill_(float("nan"))
+        _poison(buf)
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer, ((case, _, _), inputs, y) in enumerate(zip(layers, staging, ys)):
+            y_ref = reference.moe(*inputs, case.l1_weights[0], case.l2_weights[0], fast_math=True)
+            worst = max(worst, _check_y(f"seed {seed} replay {replay} layer {layer}", y, y_ref))
+        _check_clean(f"seed {seed} replay {replay}", buf)
+    print(f"seed {seed}: 10 replays of 2 layers, worst y rel-L2 {worst:.3e}")
