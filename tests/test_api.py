@@ -36,9 +36,20 @@ def test_valid_arguments_reach_the_kernel_gate(setup) -> None:
     assert megamoe.api.validate_fused_args(y, l1, l2, buf) == T_MAX
     with pytest.raises(RuntimeError, match="SM90 GPU"):
         megamoe.fused(y, l1, l2, buf)
-    assert megamoe.fp8_mega_moe is megamoe.api.fused
-    assert megamoe.get_symm_buffer_for_mega_moe is megamoe.get_symm_buffer
+    # DeepGEMM's call: the token count from y, the stats as its fifth positional argument
+    with pytest.raises(RuntimeError, match="SM90 GPU"):
+        megamoe.fp8_mega_moe(y, l1, l2, buf, None, recipe=(128, 128, 128), activation="swiglu",
+                             activation_clamp=None, fast_math=True)
+    with pytest.raises(ValueError, match="cumulative_local_expert_recv_stats"):
+        megamoe.fp8_mega_moe(y, l1, l2, buf, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="recipe must be"):
+        megamoe.fp8_mega_moe(y, l1, l2, buf, recipe=(1, 128, 128))
+    with pytest.raises(ValueError, match="activation must be"):
+        megamoe.fp8_mega_moe(y, l1, l2, buf, activation="gelu")
+    with pytest.raises(ValueError, match="use_fp8_dispatch"):
+        megamoe.get_symm_buffer_for_sm90_mega_moe(None, E, T_MAX, TOPK, H, I, use_fp8_dispatch=False)
     assert megamoe.transform_weights_for_mega_moe is megamoe.transform_weights
+    assert megamoe.transform_weights_for_mega_moe_sm90 is megamoe.transform_weights
 
 
 def test_buffer_views_alias_the_layout(setup) -> None:

@@ -136,11 +136,16 @@ def test_fused_e2e(case: E2eCase) -> None:
     y_ref = reference.moe(rc.x[0], rc.x_sf[0], topk_idx, rc.topk_weights[0], rc.l1_weights[0], rc.l2_weights[0],
                           activation_clamp=case.clamp, fast_math=case.fast_math,
                           cumulative_local_expert_recv_stats=stats_ref)
-    for call in range(2):  # the second call on the workspace the first one cleaned
+    for call in range(2):  # the second call (through fp8_mega_moe) on the workspace the first one cleaned
         _fill(buf, rc.x[0], rc.x_sf[0], topk_idx, rc.topk_weights[0])
         y = torch.full((num_tokens, case.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-        megamoe.fused(y, l1, l2, buf, num_tokens, stats, case.clamp, case.fast_math,
-                      case.expected_tokens_per_expert)
+        if call == 0:
+            megamoe.fused(y, l1, l2, buf, num_tokens, stats, case.clamp, case.fast_math,
+                          case.expected_tokens_per_expert)
+        else:  # DeepGEMM's entry point: T from y, the stats fifth
+            megamoe.fp8_mega_moe(y, l1, l2, buf, stats, recipe=(128, 128, 128), activation="swiglu",
+                                 activation_clamp=case.clamp, fast_math=case.fast_math,
+                                 expected_tokens_per_expert=case.expected_tokens_per_expert)
         torch.cuda.synchronize()
         tag = f"seed {seed} {_case_name(case)} call {call}"
         err = _check_y(tag, y, y_ref)

@@ -13,12 +13,15 @@ from megamoe.buffer import SymmBuffer
 
 __version__ = "0.1.0"
 
-# Names for users coming from DeepGEMM's SM90 MegaMoE
-get_symm_buffer_for_mega_moe = get_symm_buffer
+# Names for users coming from DeepGEMM's SM90 MegaMoE (its signatures: megamoe.api)
+from megamoe.api import fp8_mega_moe, get_symm_buffer_for_mega_moe  # noqa: E402
+
+get_symm_buffer_for_sm90_mega_moe = get_symm_buffer_for_mega_moe
 transform_weights_for_mega_moe = transform_weights
-fp8_mega_moe = api.fused
+transform_weights_for_mega_moe_sm90 = transform_weights
 
 __all__ = [
     "SymmBuffer", "fused", "get_symm_buffer", "reference", "transform_weights",
-    "fp8_mega_moe", "get_symm_buffer_for_mega_moe", "transform_weights_for_mega_moe",
+    "fp8_mega_moe", "get_symm_buffer_for_mega_moe", "get_symm_buffer_for_sm90_mega_moe",
+    "transform_weights_for_mega_moe", "transform_weights_for_mega_moe_sm90",
 ]

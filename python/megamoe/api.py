@@ -163,3 +163,49 @@ def fused(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tensor],
     run(y, l1_weights, l2_weights, buf, num_tokens, recv_stats=cumulative_local_expert_recv_stats,
         activation_clamp=activation_clamp, fast_math=fast_math,
         expected_tokens_per_expert=expected_tokens_per_expert, num_sms=num_sms)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The names DeepGEMM's SM90 MegaMoE users call (DESIGN section 7): same positional and keyword signatures
+# ---------------------------------------------------------------------------------------------------------------
+
+SUPPORTED_RECIPE = (128, 128, 128)
+SUPPORTED_ACTIVATION = "swiglu"
+
+
+def _check_recipe_activation(recipe: Any = SUPPORTED_RECIPE, activation: Any = SUPPORTED_ACTIVATION) -> None:
+    if activation != SUPPORTED_ACTIVATION:
+        raise ValueError(f"activation must be {SUPPORTED_ACTIVATION!r} (the only one megamoe implements), got "
+                         f"{activation!r}")
+    if not isinstance(recipe, (tuple, list)) or tuple(recipe) != SUPPORTED_RECIPE:
+        raise ValueError(f"recipe must be {SUPPORTED_RECIPE} (per-128 activation and 128x128 weight scales, the "
+                         f"only recipe megamoe implements), got {recipe!r}")
+
+
+def get_symm_buffer_for_mega_moe(group: Any, num_experts: int, num_max_tokens_per_rank: int, num_topk: int,
+                                 hidden: int, intermediate_hidden: int, use_fp8_dispatch: bool = True,
+                                 activation: str = SUPPORTED_ACTIVATION, **kwargs: Any) -> _buffer.SymmBuffer:
+    """DeepGEMM's `get_symm_buffer_for_mega_moe`: `get_symm_buffer` after checking the options megamoe supports
+    (FP8 dispatch, SwiGLU); extra keyword arguments go to `get_symm_buffer` (`device`)."""
+    if use_fp8_dispatch is not True:
+        raise ValueError(f"use_fp8_dispatch must be True (megamoe dispatches FP8 with per-128 SF only), got "
+                         f"{use_fp8_dispatch!r}")
+    _check_recipe_activation(activation=activation)
+    return get_symm_buffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+                           **kwargs)
+
+
+def fp8_mega_moe(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tensor],
+                 l2_weights: tuple[torch.Tensor, torch.Tensor], sym_buffer: _buffer.SymmBuffer,
+                 cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                 recipe: tuple[int, int, int] = SUPPORTED_RECIPE, activation: str = SUPPORTED_ACTIVATION,
+                 activation_clamp: float | None = None, fast_math: bool = True, **kwargs: Any) -> None:
+    """DeepGEMM's `fp8_mega_moe`: `fused` with the token count taken from `y.shape[0]` (the rows the caller
+    filled in the buffer); extra keyword arguments go to `fused` (`check_inputs`, `num_sms`,
+    `expected_tokens_per_expert`)."""
+    _check_recipe_activation(recipe, activation)
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        raise TypeError(f"y must be a 2-D BF16 tensor [T, H], got "
+                        f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}")
+    fused(y, l1_weights, l2_weights, sym_buffer, y.shape[0], cumulative_local_expert_recv_stats, activation_clamp,
+          fast_math, **kwargs)
