@@ -61,9 +61,8 @@ struct DispatchCombineTraits {
 
 // Wait for every row of the pool block holding `loc` (as a GEMM consumer does)
 template <typename T>
-MEGAMOE_DEVICE void wait_pool_block(const DeviceEnv& env, const SymBuffer& sym,
-                                                const dispatch::RecvTable& table, const dispatch::RowLocation& loc,
-                                                uint32_t lane) {
+MEGAMOE_DEVICE void wait_pool_block(const DeviceEnv& env, const SymBuffer& sym, const dispatch::RecvTable& table,
+                                    const dispatch::RowLocation& loc, uint32_t lane) {
     const uint32_t pool_block = loc.pool_row / T::kBlockM;
     const uint32_t num_block_rows = dispatch::num_rows_in_block<T::kBlockM>(table, loc);
     // NOTES: lane 0's ld.acquire.gpu pairs with the pullers' red.release.gpu (pull.cuh: release_row /
@@ -99,9 +98,8 @@ MEGAMOE_DEVICE void dequant_8(const uint32_t (&words)[2], float sf, float weight
 // before their stores.
 constexpr uint32_t kExpertBatch = 8;
 template <typename T>
-MEGAMOE_DEVICE void trivial_expert(const DeviceEnv& env, const SymBuffer& sym,
-                                               const dispatch::RecvTable& table, uint32_t warp_rank,
-                                               uint32_t num_warps) {
+MEGAMOE_DEVICE void trivial_expert(const DeviceEnv& env, const SymBuffer& sym, const dispatch::RecvTable& table,
+                                   uint32_t warp_rank, uint32_t num_warps) {
     const uint32_t lane = lane_idx();
     const uint32_t num_rows = table.num_rows();
     for (uint32_t g = warp_rank; g < num_rows; g += num_warps) {

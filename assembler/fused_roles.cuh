@@ -114,7 +114,7 @@ MEGAMOE_DEVICE void dump_task(const FusedParams& p, uint32_t cta_idx, uint32_t p
     list[0] = position + 1;
     if (position < p.task_dump_capacity) {
         uint32_t* entry = list + 1 + 4 * position;
-        entry[0] = (static_cast<uint32_t>(task.phase) << 31) | task.expert_idx;
+        entry[0] = pack_task(task).x;  // phase << 31 | expert, as the queue carries it
         entry[1] = task.m_block_idx;
         entry[2] = task.n_block_idx;
         entry[3] = task.pool_block_idx;

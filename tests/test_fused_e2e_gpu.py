@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 import megamoe  # noqa: E402
 from megamoe import heuristics, quant, reference, weights  # noqa: E402
+from megamoe.bench.timing import graphed  # noqa: E402
 from megamoe.buffer import allocate  # noqa: E402
 from megamoe.layout import SymmLayout  # noqa: E402
 from test_fused_gpu import MAX_Y_REL_L2, WORKSPACE_COUNTERS, _poison, _seed  # noqa: E402
@@ -220,22 +221,18 @@ def test_fused_cuda_graph_replays() -> None:
     _fill(buf, *_draw_inputs(num_tokens, hidden, num_experts, num_topk, gen))
     megamoe.fused(y, l1, l2, buf, num_tokens)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            megamoe.fused(y, l1, l2, buf, num_tokens, check_inputs=False)
+    replay = graphed(lambda: megamoe.fused(y, l1, l2, buf, num_tokens, check_inputs=False))
     torch.cuda.synchronize()
     worst = 0.0
-    for replay in range(NUM_GRAPH_REPLAYS):
+    for replay_idx in range(NUM_GRAPH_REPLAYS):
         x, x_sf, topk_idx, topk_weights = _draw_inputs(num_tokens, hidden, num_experts, num_topk, gen)
         _fill(buf, x, x_sf, topk_idx, topk_weights)
         y.fill_(float("nan"))
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
         y_ref = reference.moe(x, x_sf, topk_idx, topk_weights, rc.l1_weights[0], rc.l2_weights[0], fast_math=True)
-        worst = max(worst, _check_y(f"seed {seed} replay {replay}", y, y_ref))
-        _check_clean(f"seed {seed} replay {replay}", buf)
+        worst = max(worst, _check_y(f"seed {seed} replay {replay_idx}", y, y_ref))
+        _check_clean(f"seed {seed} replay {replay_idx}", buf)
     print(f"seed {seed}: {NUM_GRAPH_REPLAYS} replays, worst y rel-L2 {worst:.3e}")
 
 
@@ -263,24 +260,20 @@ def test_fused_one_buffer_two_layers_in_one_graph() -> None:
     _poison(buf)
     forward(True)  # outside the capture: compile and load both variants (one here: the same layout)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            forward(False)
+    replay = graphed(lambda: forward(False))
     torch.cuda.synchronize()
     worst = 0.0
-    for replay in range(10):
+    for replay_idx in range(10):
         for inputs, t in zip(staging, num_tokens):
             for dst, src in zip(inputs, _draw_inputs(t, hidden, num_experts, num_topk, gen)):
                 dst.copy_(src)
         for y in ys:
             y.fill_(float("nan"))
         _poison(buf)
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
         for layer, ((case, _, _), inputs, y) in enumerate(zip(layers, staging, ys)):
             y_ref = reference.moe(*inputs, case.l1_weights[0], case.l2_weights[0], fast_math=True)
-            worst = max(worst, _check_y(f"seed {seed} replay {replay} layer {layer}", y, y_ref))
-        _check_clean(f"seed {seed} replay {replay}", buf)
+            worst = max(worst, _check_y(f"seed {seed} replay {replay_idx} layer {layer}", y, y_ref))
+        _check_clean(f"seed {seed} replay {replay_idx}", buf)
     print(f"seed {seed}: 10 replays of 2 layers, worst y rel-L2 {worst:.3e}")

@@ -15,7 +15,9 @@ Kernel phases (every rank, all CTAs; barriers are common/grid_sync.cuh and commo
   (reduce_overlap, the default: each scattered row is counted at its token's source rank; a warp goes from its
   scatter (5) straight to the reduce (8), waiting per token for its rows, and 6-7 come last)
 The pool, its SF, weights and metadata stay in the symmetric buffer after the call (`SymmBuffer.view`).
-This module: the config, the source, compile and launch; the tests' and the benchmark's inputs, expectations and
+The kernel body is assembler/dispatch_combine_kernel.cuh (its head and tail: assembler/dispatch_phases.cuh,
+shared with the fused kernel). This module: the config, the source (the variant's constants and the entry point),
+compile and launch; the tests' and the benchmark's inputs, expectations and
 checked calls are in megamoe.testing.dispatch_combine, the timed round trip in megamoe.bench.comm.
 
 Every performance choice is a compile-time knob of DispatchCombineConfig (notes/dispatch_combine.md has the
