@@ -24,8 +24,9 @@ extern "C" __global__ void __launch_bounds__(64, 1) mbarrier_probe(uint32_t* out
         word = 42u;
         megamoe::ptx::mbarrier_arrive_if_at(megamoe::smem_addr(&bar), true);
     } else if (threadIdx.x == 32) {
-        while (not megamoe::ptx::mbarrier_try_wait_parity(&bar, 0)) {}
-        out[0] = *reinterpret_cast<volatile uint32_t*>(&word);
+        // bounded (1 s): a wait that times out reports -1 instead of the word
+        const uint64_t waited = megamoe::ptx::mbarrier_wait_inline_at(megamoe::smem_addr(&bar), 0, 1000000000ull);
+        out[0] = waited != 0 ? 0xffffffffu : *reinterpret_cast<volatile uint32_t*>(&word);
     }
 }
 """
