@@ -35,7 +35,7 @@ struct TableCounts {
 
 template <typename T>
 using FusedSchedulerOf = FusedScheduler<T::BLOCK_M, T::kNumL1NBlocks, T::kNumL2NBlocks, T::kNumExperts,
-                                        T::kExpertsPerWave, T::kNMajorL2, TableCounts<T::kOffsetRecvTable>>;
+                                        T::kNMajorL2, TableCounts<T::kOffsetRecvTable>>;
 
 // Everything the roles share, built once after the prologue's shared-memory carve-up.
 template <typename T>
@@ -130,7 +130,7 @@ MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
     // (the tiered environments are built at each wait: kept live across the loop, they cost the warp's registers)
     gemm::PipelineState<T::kNumStages> state;
     gemm::PipelineState<T::kNumTaskSlots> queue_state;
-    FusedSchedulerOf<T> scheduler(ctx.counts, ctx.cta_idx(), ctx.num_ctas());
+    FusedSchedulerOf<T> scheduler(ctx.counts, ctx.cta_idx(), ctx.num_ctas(), ctx.p.min_wave_l1_tiles);
     FusedTask task;
     bool waited_all = false;
     for (uint32_t task_count = 0; scheduler.next(task); ++ task_count) {
@@ -322,8 +322,7 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
             l2_scatter<T>(ctx, current(), staging, math_thread_idx);
             staging_held_by_l2 = true;
         }
-        __syncwarp();
-        ctx.tasks.release(slot.stage, lane == 0);
+        ctx.tasks.release(slot.stage);
     }
     // The last L1 stores complete and are published before any wait of the reduce
     if (is_store_thread)

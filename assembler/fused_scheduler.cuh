@@ -1,8 +1,13 @@
 // Task sequence of the fused kernel (megamoe/scheduler.py models it: `iterate_sm` walks exactly this order).
 //
-// The local experts are cut into waves of kExpertsPerWave. For each wave: every L1 tile of the wave's experts
-// (expert-major, then m-block, then n-block: pool blocks in pull order, since the pull walks the receive table in
-// expert order), then every L2 tile of the wave's experts (per expert M-major: m then n; or N-major: n then m).
+// The local experts are cut into waves of consecutive experts: a wave closes after the first expert that brings
+// its L1 tile count to at least `min_wave_l1_tiles` (a launch parameter, from the grid size: megamoe/fused/config.py),
+// the last wave takes what remains. Decided from the received counts, so the wave adapts to this call's load: a
+// decode call with a buffer sized for prefill still fills the grid (a fixed wave from the buffer's T_max left most
+// SMs idle: notes/fused.md). For each wave: every L1 tile of the wave's experts (expert-major, then m-block, then
+// n-block: pool blocks in pull order, since the pull walks the receive table in expert order), then every L2 tile
+// of the wave's experts (per expert M-major: m then n; or N-major: n then m). Every CTA reads the same table, so
+// every CTA cuts the same waves.
 // CTA s takes global task indices s, s + gridDim.x, ... (static striding across waves and phases). The per-expert
 // row counts come from the receive table in shared memory built in this launch (never __ldg of counts written in
 // this launch: DESIGN 5c).
@@ -37,28 +42,38 @@ struct FusedTask {
 };
 
 // `Counts` maps a local expert to its received rows (the receive table in shared memory).
-template <uint32_t BLOCK_M, uint32_t kNumL1NBlocks, uint32_t kNumL2NBlocks, uint32_t kNumExperts,
-          uint32_t kExpertsPerWave, bool kNMajorL2, typename Counts>
+template <uint32_t BLOCK_M, uint32_t kNumL1NBlocks, uint32_t kNumL2NBlocks, uint32_t kNumExperts, bool kNMajorL2,
+          typename Counts>
 struct FusedScheduler {
-    static_assert(kExpertsPerWave >= 1 and kExpertsPerWave <= kNumExperts, "a wave holds 1..E_local experts");
-
     Counts counts;
     uint32_t task_idx;               // the next global index this CTA takes
     uint32_t stride;                 // CTAs in the grid
+    uint32_t min_wave_l1_tiles;      // a wave closes once its L1 tiles reach this
     uint32_t wave_begin = 0;         // first expert of the current wave
+    uint32_t wave_end = 0;           // one past its last expert (0: not yet cut)
     FusedPhase phase = FusedPhase::kL1;
     uint32_t expert_idx = 0;         // current expert of the current phase
     uint32_t expert_begin_idx = 0;   // global index of the current expert's first task in this phase
     uint32_t wave_pool_block = 0;    // pool block of the current wave's first expert
     uint32_t expert_pool_block = 0;  // pool block of the current expert's first m-block
 
-    MEGAMOE_DEVICE FusedScheduler(const Counts& counts_, uint32_t first_task_idx, uint32_t num_ctas)
-        : counts(counts_), task_idx(first_task_idx), stride(num_ctas) {}
+    MEGAMOE_DEVICE FusedScheduler(const Counts& counts_, uint32_t first_task_idx, uint32_t num_ctas,
+                                  uint32_t min_wave_l1_tiles_)
+        : counts(counts_), task_idx(first_task_idx), stride(num_ctas), min_wave_l1_tiles(min_wave_l1_tiles_) {}
 
-    // The next task of this CTA; false once past the last task. Every role of a CTA walks its own copy.
+    // One past the last expert of the wave that starts at `begin` (at least one expert)
+    MEGAMOE_DEVICE uint32_t cut_wave(uint32_t begin) const {
+        uint32_t end = begin, num_tiles = 0;
+        while (end < kNumExperts and (end == begin or num_tiles < min_wave_l1_tiles))
+            num_tiles += ceil_div(counts(end ++), BLOCK_M) * kNumL1NBlocks;
+        return end;
+    }
+
+    // The next task of this CTA; false once past the last task.
     MEGAMOE_DEVICE bool next(FusedTask& task) {
         while (wave_begin < kNumExperts) {
-            const uint32_t wave_end = min(wave_begin + kExpertsPerWave, kNumExperts);
+            if (wave_end == 0)
+                wave_end = cut_wave(wave_begin);
             const bool l1 = phase == FusedPhase::kL1;
             const uint32_t num_n = l1 ? kNumL1NBlocks : kNumL2NBlocks;
             // Walk the phase's experts; each owns num_m * num_n consecutive global indices
@@ -90,6 +105,7 @@ struct FusedScheduler {
                 phase = FusedPhase::kL1;
                 wave_pool_block = expert_pool_block;
                 wave_begin = wave_end;
+                wave_end = 0;
                 expert_idx = wave_begin;
             }
         }

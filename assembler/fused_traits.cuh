@@ -17,13 +17,11 @@
 namespace megamoe::assembler {
 
 // kSerial (debug, phase-serial): the TMA-A warp waits until every pool block has arrived before its first tile.
-template <uint32_t BLOCK_M_, uint32_t kNumStages_, uint32_t kPullStages_, uint32_t kExpertsPerWave_,
-          bool kNMajorL2_, bool kClamp_, bool kFastMath_, bool kSerial_>
+template <uint32_t BLOCK_M_, uint32_t kNumStages_, uint32_t kPullStages_, bool kNMajorL2_, bool kClamp_, bool kFastMath_, bool kSerial_>
 struct FusedTraits {
     static constexpr uint32_t BLOCK_M = BLOCK_M_;
     static constexpr uint32_t kNumStages = kNumStages_;
     static constexpr uint32_t kPullStages = kPullStages_;
-    static constexpr uint32_t kExpertsPerWave = kExpertsPerWave_;
     static constexpr bool kNMajorL2 = kNMajorL2_;
     static constexpr bool kClamp = kClamp_;
     static constexpr bool kFastMath = kFastMath_;
@@ -91,6 +89,8 @@ struct FusedParams {
     uint32_t task_dump_capacity;  // tasks per CTA that task_dump holds
     uint32_t* task_dump;  // debug, or nullptr: per CTA [1 + capacity x 4] u32, the TMA-A warp's task list
                           // (count, then (phase << 31 | expert, m block, n block, pool block) per task)
+    uint32_t min_wave_l1_tiles;  // fused_scheduler.cuh: a wave of experts closes once its L1 tiles reach this
+    uint32_t reserved;
 };
 
 constexpr uint32_t kDebugHangAtDispatchBarrier = 1u;  // the dispatch barrier waits for an unreachable value

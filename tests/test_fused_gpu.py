@@ -153,11 +153,15 @@ def test_fused_matches_reference(num_tokens: int, num_experts: int, num_topk: in
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout_idx,num_tokens,num_sms", [(0, 128, 132), (1, 77, 8), (2, 1021, 132), (2, 1021, 66)])
-def test_fused_task_order_matches_model(layout_idx: int, num_tokens: int, num_sms: int) -> None:
+@pytest.mark.parametrize("layout_idx,num_tokens,num_sms,wave_tiles", [
+    (0, 128, 132, None), (1, 77, 8, None), (2, 1021, 132, None), (2, 1021, 66, None),
+    (1, 100, 132, 0), (2, 1021, 132, 2**32 - 1), (2, 300, 66, 500)])
+def test_fused_task_order_matches_model(layout_idx: int, num_tokens: int, num_sms: int,
+                                        wave_tiles: int | None) -> None:
     """The device scheduler (assembler/fused_scheduler.cuh) against megamoe.scheduler.iterate_sm, CTA by CTA and
-    tile by tile: the TMA-A warp's task list dumped by a debug buffer, for grids of 132, 66 and 8 CTAs."""
-    from megamoe import scheduler
+    tile by tile: the TMA-A warp's task list dumped by a debug buffer, for grids of 132, 66 and 8 CTAs, with the
+    default wave fill and with one expert per wave, one wave, and a target between; y checked as in every call."""
+    from megamoe import heuristics, scheduler
     from megamoe.fused.launch import dumped_tasks
 
     _, num_experts, max_tokens, num_topk, hidden, intermediate = (SMALL_LAYOUTS + [FLASH_LAYOUT])[layout_idx]
@@ -165,7 +169,12 @@ def test_fused_task_order_matches_model(layout_idx: int, num_tokens: int, num_sm
     case, buf, l1, l2 = _case_buffer(num_tokens, num_experts, num_topk, hidden, intermediate, max_tokens, seed)
     capacity = 4096
     dump = torch.zeros(num_sms, 1 + 4 * capacity, dtype=torch.int32, device=buf.device)
-    _, config = _call(case, buf, l1, l2, num_tokens, num_sms=num_sms, task_dump=dump)
+    y, config = _call(case, buf, l1, l2, num_tokens, num_sms=num_sms, task_dump=dump, min_wave_l1_tiles=wave_tiles)
+    wave_tiles = heuristics.min_wave_l1_tiles_for(num_sms) if wave_tiles is None else wave_tiles
+    y_ref = reference.moe(case.x[0], case.x_sf[0], case.topk_idx[0], case.topk_weights[0], case.l1_weights[0],
+                          case.l2_weights[0], fast_math=True)
+    err = reference.rel_l2(y.float(), y_ref.float())
+    assert err <= MAX_Y_REL_L2, f"seed {seed} {config.name}: y rel-L2 {err:.3e} > {MAX_Y_REL_L2}"
     idx = case.topk_idx[0]
     counts = torch.bincount(idx[idx >= 0].flatten().cpu(), minlength=num_experts).tolist()
     got = dumped_tasks(dump)
@@ -174,7 +183,7 @@ def test_fused_task_order_matches_model(layout_idx: int, num_tokens: int, num_sm
                     for t in scheduler.iterate_sm(sm_idx, counts, block_m=config.block_m,
                                                   num_l1_n_blocks=2 * intermediate // 128,
                                                   num_l2_n_blocks=hidden // 128,
-                                                  num_experts_per_wave=config.num_experts_per_wave,
+                                                  min_wave_l1_tiles=wave_tiles,
                                                   num_sms=num_sms, n_major_l2=config.n_major_l2)]
         assert got[sm_idx] == expected, (f"seed {seed} {config.name}: CTA {sm_idx} ran {len(got[sm_idx])} tasks, "
                                          f"the model {len(expected)}; first difference at "

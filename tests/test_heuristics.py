@@ -1,8 +1,7 @@
-"""Config selection (megamoe.heuristics): BLOCK_M buckets, wave size, N-major switch, validation and reports."""
+"""Config selection (megamoe.heuristics): BLOCK_M buckets, wave fill target, N-major switch, validation and reports."""
 from __future__ import annotations
 
 import inspect
-import math
 
 import pytest
 from rich.console import Console
@@ -12,7 +11,7 @@ from megamoe.heuristics import (
     MoeConfig,
     config_detail_table,
     config_table,
-    num_experts_per_wave_for,
+    min_wave_l1_tiles_for,
     select_config,
 )
 from test_layout import RANKS, TEST_MATRIX
@@ -69,21 +68,13 @@ def test_matrix_configs(case: tuple, num_sms: int) -> None:
     _, ranks, experts, tokens, topk, hidden, inter = case
     config = select_config(ranks, experts, tokens, topk, hidden, inter, num_sms=num_sms)
     assert config.block_m == heuristics.block_m_for(config.expected_tokens_per_expert) and config.num_sms == num_sms
-    # Wave size: smallest divisor of E_local that fills the SMs.
-    e_local = experts // ranks
-    d = config.num_experts_per_wave
-    assert e_local % d == 0
-    blocks = math.ceil(config.expected_tokens_per_expert / config.block_m) * (2 * inter // 128)
-    assert d * blocks >= num_sms or d == e_local
-    assert all(not (e_local % s == 0 and s * blocks >= num_sms) for s in range(1, d))
+    # Waves are cut on the device from the received counts; the config holds their fill target only.
+    assert config.min_wave_l1_tiles == min_wave_l1_tiles_for(num_sms) == heuristics.WAVE_FILL * num_sms
 
 
-def test_experts_per_wave_examples() -> None:
-    assert num_experts_per_wave_for(48, 2.0, 32, 3072, 132) == 3  # 48 L1 blocks per expert
-    assert num_experts_per_wave_for(48, 8192.0, 128, 3072, 132) == 1
-    assert num_experts_per_wave_for(1, 1.0, 32, 128, 132) == 1  # none suffices -> E_local
-    assert num_experts_per_wave_for(7, 1.0, 32, 128, 132) == 7
-    assert num_experts_per_wave_for(4, 0.0, 32, 2048, 132) == 4
+def test_wave_fill_target() -> None:
+    assert min_wave_l1_tiles_for(132) == heuristics.WAVE_FILL * 132
+    assert min_wave_l1_tiles_for(8) == heuristics.WAVE_FILL * 8
 
 
 def test_n_major_threshold_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,7 +99,7 @@ def test_print_configs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFi
     select_config(2, 8, 3, 6, 4096, 2048, num_sms=77)
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "megamoe config" in captured.err and "BLOCK_M" in captured.err and "experts/wave" in captured.err
+    assert "megamoe config" in captured.err and "BLOCK_M" in captured.err and "wave L1 tiles" in captured.err
     select_config(2, 8, 3, 6, 4096, 2048, num_sms=77)  # printed once per shape and config
     assert capsys.readouterr().err == ""
 
@@ -135,14 +126,14 @@ def test_config_is_frozen_and_reports() -> None:
     with pytest.raises(AttributeError):
         config.block_m = 64  # type: ignore[misc]
     with pytest.raises(ValueError, match="block_m"):
-        MoeConfig(block_m=48, num_experts_per_wave=1, n_major_l2=False, expected_tokens_per_expert=1.0, num_sms=132)
+        MoeConfig(block_m=48, min_wave_l1_tiles=132, n_major_l2=False, expected_tokens_per_expert=1.0, num_sms=132)
     assert "block_m=128" in repr(config) and "cooperative=True" in repr(config)
     console = Console(record=True, width=200)
     console.print(config_table({"pro": config}))
     console.print(config_table([config]))
     console.print(config_detail_table(config))
     text = console.export_text()
-    assert "pro" in text and "experts/wave" in text and "N-major" in text
+    assert "pro" in text and "wave L1 tiles" in text and "N-major" in text
 
 
 def test_heuristics_reads_env_only_through_envs() -> None:

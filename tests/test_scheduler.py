@@ -15,6 +15,7 @@ from megamoe.scheduler import (
     pool_offsets,
     schedule,
     task_sequence,
+    wave_bounds,
 )
 
 
@@ -33,14 +34,14 @@ def _routings() -> dict[str, list[int]]:
 
 
 ROUTINGS = _routings()
-# (block_m, num_l1_n_blocks = 2I/128, num_l2_n_blocks = H/128, num_experts_per_wave, num_sms)
+# (block_m, num_l1_n_blocks = 2I/128, num_l2_n_blocks = H/128, min_wave_l1_tiles, num_sms)
 GEOMETRIES = [
-    (32, 4, 2, 1, 7),
-    (64, 32, 32, 2, 132),
-    (128, 48, 56, 3, 132),
-    (128, 2, 1, 4, 78),
-    (32, 3, 5, 5, 1),
-    (64, 1, 1, 16, 1000),  # more SMs than tasks
+    (32, 4, 2, 0, 7),  # one expert per wave
+    (64, 32, 32, 132, 132),
+    (128, 48, 56, 264, 132),
+    (128, 2, 1, 78, 78),
+    (32, 3, 5, 2**32 - 1, 1),  # one wave
+    (64, 1, 1, 1000, 1000),  # more SMs than tasks
 ]
 
 
@@ -57,13 +58,13 @@ def test_num_m_blocks_and_pool_offsets() -> None:
 
 
 @pytest.mark.parametrize("routing", list(ROUTINGS), ids=list(ROUTINGS))
-@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[f"bm{g[0]}-n{g[1]}x{g[2]}-w{g[3]}-sm{g[4]}" for g in GEOMETRIES])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[f"bm{g[0]}-n{g[1]}x{g[2]}-wt{g[3]}-sm{g[4]}" for g in GEOMETRIES])
 @pytest.mark.parametrize("n_major_l2", [False, True], ids=["m_major", "n_major"])
 def test_every_tile_once_and_iterate_sm_matches(routing: str, geometry: tuple, n_major_l2: bool) -> None:
     counts = ROUTINGS[routing]
-    block_m, num_l1_n, num_l2_n, per_wave, num_sms = geometry
+    block_m, num_l1_n, num_l2_n, wave_tiles, num_sms = geometry
     kwargs = dict(block_m=block_m, num_l1_n_blocks=num_l1_n, num_l2_n_blocks=num_l2_n,
-                  num_experts_per_wave=per_wave, num_sms=num_sms, n_major_l2=n_major_l2)
+                  min_wave_l1_tiles=wave_tiles, num_sms=num_sms, n_major_l2=n_major_l2)
     per_sm = schedule(counts, **kwargs)
     assert len(per_sm) == num_sms
     num_tasks = check_schedule(per_sm, counts, block_m=block_m, num_l1_n_blocks=num_l1_n, num_l2_n_blocks=num_l2_n)
@@ -78,12 +79,12 @@ def test_every_tile_once_and_iterate_sm_matches(routing: str, geometry: tuple, n
 @pytest.mark.parametrize("n_major_l2", [False, True])
 def test_sequence_order(n_major_l2: bool) -> None:
     counts = [40, 0, 70, 10]
+    # L1 tiles per expert: 4, 0, 6, 2. Waves of at least 4: [0], [1, 2] (expert 1 empty), [3].
     sequence = task_sequence(counts, block_m=32, num_l1_n_blocks=2, num_l2_n_blocks=3,
-                             num_experts_per_wave=2, n_major_l2=n_major_l2)
+                             min_wave_l1_tiles=4, n_major_l2=n_major_l2)
     phases = [(t.phase, t.expert_idx) for t in sequence]
-    # Wave 0 = experts 0, 1 (expert 1 empty): L1 of expert 0, then its L2; wave 1 = experts 2, 3.
-    assert phases == ([("l1", 0)] * 4 + [("l2", 0)] * 6
-                      + [("l1", 2)] * 6 + [("l1", 3)] * 2 + [("l2", 2)] * 9 + [("l2", 3)] * 3)
+    assert phases == ([("l1", 0)] * 4 + [("l2", 0)] * 6 + [("l1", 2)] * 6 + [("l2", 2)] * 9
+                      + [("l1", 3)] * 2 + [("l2", 3)] * 3)
     l1 = [(t.m_block_idx, t.n_block_idx) for t in sequence if t.phase == "l1" and t.expert_idx == 2]
     assert l1 == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
     l2 = [(t.m_block_idx, t.n_block_idx) for t in sequence if t.phase == "l2" and t.expert_idx == 2]
@@ -95,15 +96,26 @@ def test_sequence_order(n_major_l2: bool) -> None:
     assert sequence[0] == Task("l1", 0, 0, 0, 0)
 
 
+def test_wave_bounds() -> None:
+    counts = [40, 0, 70, 10, 0]  # L1 tiles (block_m 32, 2 n blocks): 4, 0, 6, 2, 0
+    kwargs = dict(block_m=32, num_l1_n_blocks=2)
+    assert wave_bounds(counts, **kwargs, min_wave_l1_tiles=0) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert wave_bounds(counts, **kwargs, min_wave_l1_tiles=4) == [(0, 1), (1, 3), (3, 5)]
+    assert wave_bounds(counts, **kwargs, min_wave_l1_tiles=10) == [(0, 3), (3, 5)]
+    assert wave_bounds(counts, **kwargs, min_wave_l1_tiles=2**32 - 1) == [(0, 5)]
+    assert wave_bounds([0, 0], **kwargs, min_wave_l1_tiles=1) == [(0, 2)]
+    assert wave_bounds([], **kwargs, min_wave_l1_tiles=1) == []
+
+
 def test_dependencies_have_smaller_global_index() -> None:
     rng = random.Random(7)
     for _ in range(50):
         counts = [rng.choice((0, rng.randint(1, 400))) for _ in range(rng.randint(1, 24))]
         block_m = rng.choice((32, 64, 128))
-        per_wave = rng.randint(1, len(counts))
+        wave_tiles = rng.choice((0, 1, rng.randint(1, 400), 2**32 - 1))
         n_major = rng.random() < 0.5
         sequence = task_sequence(counts, block_m=block_m, num_l1_n_blocks=rng.randint(1, 48),
-                                 num_l2_n_blocks=rng.randint(1, 56), num_experts_per_wave=per_wave,
+                                 num_l2_n_blocks=rng.randint(1, 56), min_wave_l1_tiles=wave_tiles,
                                  n_major_l2=n_major)
         last_l1: dict[tuple[int, int], int] = {}
         for g, task in enumerate(sequence):
@@ -118,7 +130,7 @@ def test_dependencies_have_smaller_global_index() -> None:
 def test_check_schedule_catches_errors() -> None:
     counts = [40, 70]
     kwargs = dict(block_m=32, num_l1_n_blocks=2, num_l2_n_blocks=2)
-    good = schedule(counts, **kwargs, num_experts_per_wave=1, num_sms=3, n_major_l2=False)
+    good = schedule(counts, **kwargs, min_wave_l1_tiles=0, num_sms=3, n_major_l2=False)
     check_schedule(good, counts, **kwargs)
     # A missing tile
     with pytest.raises(ScheduleError):
@@ -127,7 +139,7 @@ def test_check_schedule_catches_errors() -> None:
     with pytest.raises(ScheduleError):
         check_schedule([good[0], good[1], good[2][:-1] + [good[0][0]]], counts, **kwargs)
     # L2 before its L1 dependency: swap the whole sequence into L2-first order
-    sequence = task_sequence(counts, **kwargs, num_experts_per_wave=1, n_major_l2=False)
+    sequence = task_sequence(counts, **kwargs, min_wave_l1_tiles=0, n_major_l2=False)
     sequence = sorted(sequence, key=lambda t: t.phase != "l2")
     bad = [sequence[s::3] for s in range(3)]
     with pytest.raises(ScheduleError, match="precedes"):
@@ -141,13 +153,13 @@ def test_check_schedule_catches_errors() -> None:
 
 
 def test_argument_validation() -> None:
-    kwargs = dict(block_m=32, num_l1_n_blocks=2, num_l2_n_blocks=2, num_experts_per_wave=1, num_sms=4,
+    kwargs = dict(block_m=32, num_l1_n_blocks=2, num_l2_n_blocks=2, min_wave_l1_tiles=0, num_sms=4,
                   n_major_l2=False)
     with pytest.raises(ValueError, match="sm_idx"):
         list(iterate_sm(4, [1], **kwargs))
     with pytest.raises(ValueError, match="num_sms"):
         schedule([1], **{**kwargs, "num_sms": 0})
-    with pytest.raises(ValueError, match="num_experts_per_wave"):
-        schedule([1], **{**kwargs, "num_experts_per_wave": 0})
+    with pytest.raises(ValueError, match="min_wave_l1_tiles"):
+        schedule([1], **{**kwargs, "min_wave_l1_tiles": -1})
     with pytest.raises(ValueError, match="block_m"):
         schedule([1], **{**kwargs, "block_m": 16})

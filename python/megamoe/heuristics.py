@@ -1,12 +1,13 @@
-"""Kernel config selection: the BLOCK_M bucket, wave size, L2 order.
+"""Kernel config selection: the BLOCK_M bucket, the wave rule, L2 order.
 
 The config is chosen only from values every rank shares (the symmetric buffer's shape, or an explicit
 `expected_tokens_per_expert`), never from the local token count: a rank with T = 0 still receives its peers'
 tokens and must run the same kernel variant (DESIGN section 5).
 
 What uses it today: BLOCK_M (SymmBuffer.config(): the dispatch/combine unit kernel's pool padding by default, the
-`megamoe bench comm` launches; the expert FFN bench's bucket; `megamoe demo`); the wave size and the L2 order are
-the scheduler model's parameters (megamoe.scheduler). Each kernel that exists plans its own shared memory with its
+`megamoe bench comm` launches; the expert FFN bench's bucket; `megamoe demo`); the wave rule (`min_wave_l1_tiles`)
+and the L2 order are the fused kernel's and the scheduler model's parameters (megamoe.scheduler). Waves are cut on
+the device from the received counts (assembler/fused_scheduler.cuh), so only their fill target comes from here. Each kernel that exists plans its own shared memory with its
 config (kernels/gemm.py GemmConfig, kernels/expert_ffn.py ExpertFfnConfig, kernels/dispatch_combine.py
 DispatchCombineConfig); the fused kernel's plan comes with that kernel.
 """
@@ -32,11 +33,13 @@ BUCKET_BLOCK_M_32 = 16.5  # expected tokens per expert <= 16.5 -> BLOCK_M 32
 BUCKET_BLOCK_M_64 = 64.5  # <= 64.5 -> BLOCK_M 64, else 128
 N_MAJOR_THRESHOLD = 256.0  # expected tokens per expert >= 256 -> N-major L2 order
 DEFAULT_NUM_SMS = 132  # H200
+# A wave of experts closes once its L1 tiles reach WAVE_FILL x the grid (fused_scheduler.cuh: cut_wave)
+WAVE_FILL = 1
 
 
 @dataclass(frozen=True, kw_only=True)
 class MoeConfig:
-    """The launch choices for one shape: BLOCK_M, the wave size and the L2 order (the fused kernel's; the unit
+    """The launch choices for one shape: BLOCK_M, the wave rule and the L2 order (the fused kernel's; the unit
     kernels take BLOCK_M from it). `cooperative` and `num_math_warpgroups` follow from block_m."""
 
     block_m: int
@@ -44,7 +47,7 @@ class MoeConfig:
     block_k: int = BLOCK_K
     cooperative: bool = field(init=False)
     num_math_warpgroups: int = field(init=False)
-    num_experts_per_wave: int
+    min_wave_l1_tiles: int
     n_major_l2: bool
     expected_tokens_per_expert: float
     num_sms: int
@@ -74,15 +77,9 @@ def block_m_for(expected: float) -> int:
     return 128
 
 
-def num_experts_per_wave_for(
-    num_local_experts: int, expected: float, block_m: int, intermediate: int, num_sms: int
-) -> int:
-    """Smallest divisor d of E_local with d * ceil(expected / block_m) * (2I / 128) >= num_sms, else E_local."""
-    num_l1_blocks_per_expert = math.ceil(expected / block_m) * (2 * intermediate // BLOCK_N)
-    for d in range(1, num_local_experts + 1):
-        if num_local_experts % d == 0 and d * num_l1_blocks_per_expert >= num_sms:
-            return d
-    return num_local_experts
+def min_wave_l1_tiles_for(num_sms: int) -> int:
+    """The L1 tiles at which a wave of experts closes: WAVE_FILL x the grid (every CTA has an L1 tile per wave)."""
+    return WAVE_FILL * num_sms
 
 
 _printed_configs: set[tuple[object, ...]] = set()
@@ -121,9 +118,7 @@ def select_config(
     n_major_l2 = expected >= N_MAJOR_THRESHOLD if n_major_override == -1 else bool(n_major_override)
     config = MoeConfig(
         block_m=block_m,
-        num_experts_per_wave=num_experts_per_wave_for(
-            num_experts // num_ranks, expected, block_m, intermediate, num_sms
-        ),
+        min_wave_l1_tiles=min_wave_l1_tiles_for(num_sms),
         n_major_l2=n_major_l2,
         expected_tokens_per_expert=expected,
         num_sms=num_sms,
@@ -144,7 +139,7 @@ def _config_columns(config: MoeConfig) -> list[tuple[str, str]]:
         ("BLOCK_M", str(config.block_m)),
         ("coop", "yes" if config.cooperative else "no"),
         ("math WGs", str(config.num_math_warpgroups)),
-        ("experts/wave", str(config.num_experts_per_wave)),
+        ("wave L1 tiles >=", str(config.min_wave_l1_tiles)),
         ("L2 order", "N-major" if config.n_major_l2 else "M-major"),
         ("SMs", str(config.num_sms)),
     ]

@@ -4,14 +4,16 @@ layout every kernel shares (`pool_offsets`, `num_pool_blocks`).
 
 The fused kernel's device scheduler, assembler/fused_scheduler.cuh (FusedScheduler::next), walks this order the
 way `iterate_sm` does (no global list, per-expert counts from the receive table in shared memory); a GPU test that
-dumps each CTA's task list and compares it with this model is still to come. Other device orders:
+dumps each CTA's task list and compares it with this model (tests/test_fused_gpu.py). Other device orders:
 components/gemm/tile_scheduler.cuh, the standalone GEMM's (expert-major, bands of band_m m-blocks, n-block-major
 inside a band), and assembler/expert_ffn_scheduler.cuh, the expert-FFN unit kernel's (every L1 tile in that order,
 then every L2 tile: this model's order for one wave of all local experts with M-major L2 when band_m = 1).
 
-Global task sequence: the local experts are cut into waves of `num_experts_per_wave`; for wave w (experts
-[w*d, (w+1)*d)), first every L1 task of the wave (expert-major, then m-block, then n-block), then every L2 task of
-the wave (per expert; M-major: m then n, N-major: n then m). SM s takes global indices s, s + num_sms,
+Global task sequence: the local experts are cut into waves of consecutive experts (`wave_bounds`: a wave closes
+after the first expert that brings its L1 tile count to at least `min_wave_l1_tiles`; the last wave takes what
+remains), decided from the received counts, as the device does; for each wave, first every L1 task of the wave
+(expert-major, then m-block, then n-block), then every L2 task of the wave (per expert; M-major: m then n, N-major:
+n then m). SM s takes global indices s, s + num_sms,
 s + 2*num_sms, ... (static striding that continues across waves and phases).
 
 No deadlock: an L2 task (expert, m) waits for every L1 task (expert, m) (the pool block's `l1_done_count` reaching
@@ -91,13 +93,35 @@ def num_pool_blocks(num_tokens_per_expert: Sequence[int], block_m: int) -> int:
 
 
 def _check_schedule_args(
-    block_m: int, num_l1_n_blocks: int, num_l2_n_blocks: int, num_experts_per_wave: int, num_sms: int
+    block_m: int, num_l1_n_blocks: int, num_l2_n_blocks: int, min_wave_l1_tiles: int, num_sms: int
 ) -> None:
     _check_block_m(block_m)
     _check_positive("num_l1_n_blocks", num_l1_n_blocks)
     _check_positive("num_l2_n_blocks", num_l2_n_blocks)
-    _check_positive("num_experts_per_wave", num_experts_per_wave)
+    if isinstance(min_wave_l1_tiles, bool) or not isinstance(min_wave_l1_tiles, int) or \
+            not 0 <= min_wave_l1_tiles < 2**32:
+        raise ValueError(f"min_wave_l1_tiles must be an int in [0, 2**32), got {min_wave_l1_tiles!r}")
     _check_positive("num_sms", num_sms)
+
+
+def wave_bounds(
+    num_tokens_per_expert: Sequence[int], *, block_m: int, num_l1_n_blocks: int, min_wave_l1_tiles: int
+) -> list[tuple[int, int]]:
+    """The waves as [begin, end) expert ranges: each wave closes after the first expert that brings its L1 tiles
+    (ceil(count / block_m) * num_l1_n_blocks per expert) to at least `min_wave_l1_tiles`; every wave holds at least
+    one expert; the last wave takes what remains (FusedScheduler::cut_wave)."""
+    _check_schedule_args(block_m, num_l1_n_blocks, 1, min_wave_l1_tiles, 1)
+    counts = _check_counts(num_tokens_per_expert)
+    bounds: list[tuple[int, int]] = []
+    begin = 0
+    while begin < len(counts):
+        end, num_tiles = begin, 0
+        while end < len(counts) and (end == begin or num_tiles < min_wave_l1_tiles):
+            num_tiles += num_m_blocks(counts[end], block_m) * num_l1_n_blocks
+            end += 1
+        bounds.append((begin, end))
+        begin = end
+    return bounds
 
 
 def _l2_block(local_idx: int, num_m: int, num_n: int, n_major_l2: bool) -> tuple[int, int]:
@@ -113,16 +137,17 @@ def task_sequence(
     block_m: int,
     num_l1_n_blocks: int,
     num_l2_n_blocks: int,
-    num_experts_per_wave: int,
+    min_wave_l1_tiles: int,
     n_major_l2: bool,
 ) -> list[Task]:
     """The global task sequence, materialised (index = global task index)."""
-    _check_schedule_args(block_m, num_l1_n_blocks, num_l2_n_blocks, num_experts_per_wave, 1)
+    _check_schedule_args(block_m, num_l1_n_blocks, num_l2_n_blocks, min_wave_l1_tiles, 1)
     counts = _check_counts(num_tokens_per_expert)
     offsets = pool_offsets(counts, block_m)
     sequence: list[Task] = []
-    for wave_begin in range(0, len(counts), num_experts_per_wave):
-        wave = range(wave_begin, min(wave_begin + num_experts_per_wave, len(counts)))
+    for wave_begin, wave_end in wave_bounds(counts, block_m=block_m, num_l1_n_blocks=num_l1_n_blocks,
+                                            min_wave_l1_tiles=min_wave_l1_tiles):
+        wave = range(wave_begin, wave_end)
         for expert_idx in wave:
             first_block = offsets[expert_idx] // block_m
             for m in range(num_m_blocks(counts[expert_idx], block_m)):
@@ -145,18 +170,18 @@ def schedule(
     block_m: int,
     num_l1_n_blocks: int,
     num_l2_n_blocks: int,
-    num_experts_per_wave: int,
+    min_wave_l1_tiles: int,
     num_sms: int,
     n_major_l2: bool,
 ) -> list[list[Task]]:
     """Tasks of each SM in execution order: SM s gets global indices s, s + num_sms, ..."""
-    _check_schedule_args(block_m, num_l1_n_blocks, num_l2_n_blocks, num_experts_per_wave, num_sms)
+    _check_schedule_args(block_m, num_l1_n_blocks, num_l2_n_blocks, min_wave_l1_tiles, num_sms)
     sequence = task_sequence(
         num_tokens_per_expert,
         block_m=block_m,
         num_l1_n_blocks=num_l1_n_blocks,
         num_l2_n_blocks=num_l2_n_blocks,
-        num_experts_per_wave=num_experts_per_wave,
+        min_wave_l1_tiles=min_wave_l1_tiles,
         n_major_l2=n_major_l2,
     )
     return [sequence[sm_idx::num_sms] for sm_idx in range(num_sms)]
@@ -169,16 +194,17 @@ def iterate_sm(
     block_m: int,
     num_l1_n_blocks: int,
     num_l2_n_blocks: int,
-    num_experts_per_wave: int,
+    min_wave_l1_tiles: int,
     num_sms: int,
     n_major_l2: bool,
 ) -> Iterator[Task]:
     """The tasks of one SM, computed the way the device does: walk the waves, never build the global list.
 
-    State: `task_idx` (the next global index this SM takes) and, per phase of a wave, the current expert and the
-    global index of its first task. Both only move forward, so the walk costs O(E_local + tasks of this SM).
+    State: `task_idx` (the next global index this SM takes), the current wave (cut when it starts) and, per phase
+    of a wave, the current expert and the global index of its first task. All only move forward, so the walk costs
+    O(E_local + tasks of this SM).
     """
-    _check_schedule_args(block_m, num_l1_n_blocks, num_l2_n_blocks, num_experts_per_wave, num_sms)
+    _check_schedule_args(block_m, num_l1_n_blocks, num_l2_n_blocks, min_wave_l1_tiles, num_sms)
     if isinstance(sm_idx, bool) or not isinstance(sm_idx, int) or not 0 <= sm_idx < num_sms:
         raise ValueError(f"sm_idx must be an int in [0, {num_sms}), got {sm_idx!r}")
     counts = _check_counts(num_tokens_per_expert)
@@ -187,8 +213,13 @@ def iterate_sm(
     task_idx = sm_idx  # next global task index of this SM
     phase_begin_idx = 0  # global index of the current phase's first task
     pool_block_begin = 0  # pool block of the current wave's first expert
-    for wave_begin in range(0, num_experts, num_experts_per_wave):
-        wave_end = min(wave_begin + num_experts_per_wave, num_experts)
+    wave_begin = 0
+    while wave_begin < num_experts:
+        # Cut the wave that starts here (FusedScheduler::cut_wave)
+        wave_end, num_wave_tiles = wave_begin, 0
+        while wave_end < num_experts and (wave_end == wave_begin or num_wave_tiles < min_wave_l1_tiles):
+            num_wave_tiles += num_m_blocks(counts[wave_end], block_m) * num_l1_n_blocks
+            wave_end += 1
         for phase, num_n in (("l1", num_l1_n_blocks), ("l2", num_l2_n_blocks)):
             # Walk the wave's experts; each owns num_m * num_n consecutive global indices of this phase
             expert_begin_idx = phase_begin_idx
@@ -208,6 +239,7 @@ def iterate_sm(
                 expert_pool_block += num_m
             phase_begin_idx = expert_begin_idx
         pool_block_begin = expert_pool_block
+        wave_begin = wave_end
 
 
 def check_schedule(

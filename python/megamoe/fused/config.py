@@ -38,7 +38,6 @@ class FusedConfig:
 
     layout: SymmLayout
     block_m: int
-    num_experts_per_wave: int
     n_major_l2: bool
     clamp: bool = False
     fast_math: bool = True
@@ -49,9 +48,6 @@ class FusedConfig:
     def __post_init__(self) -> None:
         if self.block_m not in BLOCK_M_CANDIDATES:
             raise ValueError(f"block_m must be one of {BLOCK_M_CANDIDATES}, got {self.block_m!r}")
-        if not 1 <= self.num_experts_per_wave <= self.layout.num_local_experts:
-            raise ValueError(f"num_experts_per_wave must be in [1, {self.layout.num_local_experts}], "
-                             f"got {self.num_experts_per_wave!r}")
         if not 1 <= self.pull_stages <= 8:
             raise ValueError(f"pull_stages must be in [1, 8], got {self.pull_stages!r}")
         if self.num_stages == 0:
@@ -123,15 +119,15 @@ class FusedConfig:
         flags = (f"{'_clamp' if self.clamp else ''}{'_fast' if self.fast_math else ''}"
                  f"{'_serial' if self.serial else ''}")
         return (f"megamoe_fused_r{lay.num_ranks}_e{lay.num_experts}_t{lay.num_max_tokens_per_rank}_k{lay.num_topk}"
-                f"_h{lay.hidden}_i{lay.intermediate}_bm{self.block_m}_w{self.num_experts_per_wave}"
+                f"_h{lay.hidden}_i{lay.intermediate}_bm{self.block_m}"
                 f"_{'n' if self.n_major_l2 else 'm'}_p{self.pull_stages}_s{self.num_stages}{flags}")
 
 
 def config_for(layout: SymmLayout, *, expected_tokens_per_expert: float | None = None, clamp: bool = False,
-               fast_math: bool = True, serial: bool = True, num_sms: int = heuristics.DEFAULT_NUM_SMS,
-               pull_stages: int = DEFAULT_PULL_STAGES) -> FusedConfig:
-    """The variant every rank of `layout` picks: BLOCK_M, wave size and L2 order from the values all ranks share
-    (heuristics), or from `expected_tokens_per_expert` when given (the same on every rank)."""
+               fast_math: bool = True, serial: bool = True, pull_stages: int = DEFAULT_PULL_STAGES) -> FusedConfig:
+    """The variant every rank of `layout` picks: BLOCK_M and L2 order from the values all ranks share
+    (heuristics), or from `expected_tokens_per_expert` when given (the same on every rank). The waves of experts
+    are cut on the device from the received counts (`min_wave_l1_tiles` at launch)."""
     lay = layout
     expected = (heuristics.default_expected_tokens_per_expert(lay.num_ranks, lay.num_experts,
                                                                lay.num_max_tokens_per_rank, lay.num_topk)
@@ -139,6 +135,5 @@ def config_for(layout: SymmLayout, *, expected_tokens_per_expert: float | None =
     block_m = heuristics.block_m_for(expected)
     override = envs.n_major_override()
     n_major = expected >= heuristics.N_MAJOR_THRESHOLD if override == -1 else bool(override)
-    wave = heuristics.num_experts_per_wave_for(lay.num_local_experts, expected, block_m, lay.intermediate, num_sms)
-    return FusedConfig(lay, block_m, wave, n_major, clamp=clamp, fast_math=fast_math, serial=serial,
+    return FusedConfig(lay, block_m, n_major, clamp=clamp, fast_math=fast_math, serial=serial,
                        pull_stages=pull_stages)

@@ -8,6 +8,7 @@ import torch
 
 from megamoe.fused.config import BLOCK_K, BLOCK_N, L1_OUTPUT_COLS, FusedConfig, config_for
 from megamoe.fused.source import compile_fused
+from megamoe import heuristics
 from megamoe.heuristics import NUM_THREADS
 
 if TYPE_CHECKING:
@@ -22,10 +23,11 @@ class FusedParamsStruct(ctypes.Structure):
 
     _fields_ = [("w1_sf", ctypes.c_uint64), ("w2_sf", ctypes.c_uint64), ("y", ctypes.c_uint64),
                 ("recv_stats", ctypes.c_uint64), ("num_tokens", ctypes.c_uint32), ("debug_flags", ctypes.c_uint32),
-                ("clamp", ctypes.c_float), ("task_dump_capacity", ctypes.c_uint32), ("task_dump", ctypes.c_uint64)]
+                ("clamp", ctypes.c_float), ("task_dump_capacity", ctypes.c_uint32), ("task_dump", ctypes.c_uint64),
+                ("min_wave_l1_tiles", ctypes.c_uint32), ("reserved", ctypes.c_uint32)]
 
 
-assert ctypes.sizeof(FusedParamsStruct) == 56
+assert ctypes.sizeof(FusedParamsStruct) == 64
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -74,16 +76,19 @@ def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_to
         recv_stats: torch.Tensor | None = None, activation_clamp: float | None = None, fast_math: bool = True,
         expected_tokens_per_expert: float | None = None, serial: bool = True, num_sms: int | None = None,
         debug_hang: bool = False, timeout_s: float | None = None, task_dump: torch.Tensor | None = None,
-        stream: torch.cuda.Stream | None = None) -> FusedConfig:
+        min_wave_l1_tiles: int | None = None, stream: torch.cuda.Stream | None = None) -> FusedConfig:
     """Launch the fused kernel for this rank's first `num_tokens` tokens in `buf` (arguments already validated:
     megamoe.api.validate_fused_args). Collective over buf.group: every rank launches the same variant.
-    task_dump (debug): int32 [grid, 1 + 4 capacity], filled with each CTA's task list (`dumped_tasks` reads it)."""
+    task_dump (debug): int32 [grid, 1 + 4 capacity], filled with each CTA's task list (`dumped_tasks` reads it).
+    min_wave_l1_tiles: the waves' fill target (default heuristics.min_wave_l1_tiles_for(grid))."""
     from megamoe.jit import runtime
     from megamoe.jit.diagnostics import timeout_records
     from megamoe.kernels.dispatch_combine import sym_buffer_struct
 
     grid = num_sms or runtime.num_sms(buf.device)
     config, kernel = _variant(buf, activation_clamp, fast_math, expected_tokens_per_expert, serial)
+    if min_wave_l1_tiles is not None and not (isinstance(min_wave_l1_tiles, int) and 0 <= min_wave_l1_tiles < 2**32):
+        raise ValueError(f"min_wave_l1_tiles must be an int in [0, 2**32), got {min_wave_l1_tiles!r}")
     capacity = 0
     if task_dump is not None:
         if task_dump.dtype != torch.int32 or task_dump.dim() != 2 or task_dump.shape[0] != grid or \
@@ -93,7 +98,9 @@ def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_to
         capacity = (task_dump.shape[1] - 1) // 4
     params = FusedParamsStruct(_ptr(l1[1]), _ptr(l2[1]), _ptr(y) if num_tokens else 0, _ptr(recv_stats), num_tokens,
                                DEBUG_HANG_AT_DISPATCH_BARRIER if debug_hang else 0,
-                               activation_clamp if activation_clamp is not None else 0.0, capacity, _ptr(task_dump))
+                               activation_clamp if activation_clamp is not None else 0.0, capacity, _ptr(task_dump),
+                               heuristics.min_wave_l1_tiles_for(grid) if min_wave_l1_tiles is None
+                               else min_wave_l1_tiles, 0)
     env = timeout_records().device_env(rank=buf.rank, timeout_s=timeout_s)
     args = [*tensor_maps(config, buf, l1, l2), sym_buffer_struct(buf), params, env]
     kernel.launch(grid, args, config.smem_bytes, device=buf.device, stream=stream)

@@ -19,7 +19,7 @@ def source(config: FusedConfig) -> str:
 #include "fused_kernel.cuh"
 
 using Traits = megamoe::assembler::FusedTraits<{config.block_m}, {config.num_stages}, {config.pull_stages},
-                                               {config.num_experts_per_wave}, {_FLAG[config.n_major_l2]},
+                                               {_FLAG[config.n_major_l2]},
                                                {_FLAG[config.clamp]}, {_FLAG[config.fast_math]},
                                                {_FLAG[config.serial]}>;
 static_assert(Traits::kSmemBytes == {config.smem_bytes}u, "host and device disagree on the shared-memory size");
