@@ -27,5 +27,36 @@ def test_variants_and_cli() -> None:
     assert [getattr(c, "serial", None) for c in configs[:2]] == [True, False]
     assert configs[2].block_m == configs[0].block_m
     assert bench_options(parse_args(["bench", "fused", "--compile-only"])) == {}
+    assert bench_options(parse_args(["bench", "fused", "--tokens", "8,128", "--wave-fill", "1,2,0"])) == {
+        "tokens": [8, 128], "wave_fills": [1, 2, 0]}
+    assert bf.wave_tiles(2, 132) == 264 and bf.wave_tiles(0, 132) == 2**32 - 1
     with pytest.raises(ValueError, match="only apply to `megamoe bench comm`"):
-        bench_options(parse_args(["bench", "fused", "--tokens", "8"]))
+        bench_options(parse_args(["bench", "fused", "--iters", "8"]))
+    with pytest.raises(ValueError, match="only applies to `megamoe bench fused`"):
+        bench_options(parse_args(["bench", "comm", "--wave-fill", "1"]))
+    with pytest.raises(ValueError, match=">= 0"):
+        bench_options(parse_args(["bench", "fused", "--wave-fill", "-1"]))
+    # the chain's dispatch/combine unit kernel runs at the fused kernel's BLOCK_M
+    assert configs[3].block_m == configs[0].block_m and type(configs[3]).__name__ == "DispatchCombineConfig"
+
+
+def test_routed_cublas_matches_the_reference() -> None:
+    """The cuBLAS unfused baseline on a routing with masked slots and an empty expert, with a CPU stand-in for
+    `torch._scaled_mm` (tests/test_bench_ffn_cublas.py): y within the bench's tolerance of reference.moe, and a
+    second run (a graph replay's situation) gives the same y."""
+    from test_bench_ffn_cublas import FakeScaledMm
+
+    from megamoe import reference
+
+    t, e, k, h, i = 24, 4, 2, 512, 512  # K / 128 a multiple of 4: the blockwise scale_b layout torch requires
+    rc = reference.random_case(t, h, i, e, k, mask_prob=0.2, generator=torch.Generator().manual_seed(3))
+    idx = rc.topk_idx[0].clone()
+    idx[idx == 3] = -1  # expert 3 receives nothing
+    natural = (rc.l1_weights[0], rc.l2_weights[0])  # ([E, 2I, H] e4m3, SF), ([E, H, I] e4m3, SF)
+    y_ref = reference.moe(rc.x[0], rc.x_sf[0], idx, rc.topk_weights[0], natural[0], natural[1], fast_math=True)
+    pipeline = bf.RoutedCublas(rc.x[0], rc.x_sf[0], idx, rc.topk_weights[0], natural, e, out_dtype=torch.float32,
+                               scaled_mm=FakeScaledMm())
+    y = pipeline.run().clone()
+    err = reference.rel_l2(y.float(), y_ref.float())
+    assert err < 1e-3, err
+    assert torch.equal(pipeline.run(), y)

@@ -20,7 +20,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-COMM_ONLY_OPTIONS = ("tokens", "warmup", "iters", "compile_only", "ranks")
+COMM_ONLY_OPTIONS = ("tokens", "warmup", "iters", "compile_only", "ranks", "wave_fill")
+FUSED_OPTIONS = ("tokens", "compile_only", "wave_fill")
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -40,8 +41,23 @@ def bench_options(args: argparse.Namespace) -> dict:
     from megamoe.bench import comm as bench_comm
 
     given = [f"--{name.replace('_', '-')}" for name in COMM_ONLY_OPTIONS if getattr(args, name) not in (None, False)]
-    if args.name == "fused" and given == ["--compile-only"]:
-        return {}
+    if args.name == "fused":
+        others = [g for g in given if g[2:].replace("-", "_") not in FUSED_OPTIONS]
+        if others:
+            raise ValueError(f"{', '.join(others)} only apply to `megamoe bench comm`")
+        if args.compile_only:
+            return {}
+        options: dict = {}
+        if args.tokens is not None:
+            options["tokens"] = parse_int_list(args.tokens)
+        if args.wave_fill is not None:
+            fills = parse_int_list(args.wave_fill)
+            if any(f < 0 for f in fills):
+                raise ValueError(f"--wave-fill values must be >= 0 (0: one wave), got {args.wave_fill!r}")
+            options["wave_fills"] = fills
+        return options
+    if args.wave_fill is not None:
+        raise ValueError("--wave-fill only applies to `megamoe bench fused`")
     if args.name != "comm":
         if given:
             raise ValueError(f"{', '.join(given)} only apply to `megamoe bench comm`")
@@ -117,6 +133,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     comm.add_argument("--compile-only", action="store_true",
                       help="compile every kernel variant the bench launches into the JIT cache (no GPU; comm, fused)")
     comm.add_argument("--ranks", default=None, help="with --compile-only: rank counts (default 2,4,8)")
+    fused = bench.add_argument_group("fused", "the fused kernel beside the unit kernels and cuBLAS, one GPU "
+                                     "(--tokens and --compile-only apply too)")
+    fused.add_argument("--wave-fill", default=None,
+                       help="wave fill targets to time, comma-separated: a wave closes at fill x grid L1 tiles, "
+                            "0 = one wave (default heuristics.WAVE_FILL)")
     bench.set_defaults(fn=_cmd_bench)
 
     jit = sub.add_parser("jit", help="compile every kernel variant into the JIT cache")

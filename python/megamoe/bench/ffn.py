@@ -327,9 +327,11 @@ class UnfusedCublas:
         self.scaled_mm = scaled_mm or torch._scaled_mm
         self.inputs = inputs
         self.topk_weights = inputs.topk_weights
-        x_sf_t = inputs.x_sf.view(e, c, h // 128).transpose(1, 2).contiguous()  # [E, H/128, rows]
+        # [E, H/128, rows]: the L1 activation SF, M-major per expert (a caller that refills inputs.x per pass
+        # refills this too)
+        self.x_sf_t = inputs.x_sf.view(e, c, h // 128).transpose(1, 2).contiguous()
         # (A, B, scale_a (M, K/128) M-major, scale_b (K/128, N/128)) of each expert's L1
-        self.l1_args = [(inputs.x[r * c:(r + 1) * c], inputs.w1[r].t(), x_sf_t[r].t(), inputs.w1_sf[r].t())
+        self.l1_args = [(inputs.x[r * c:(r + 1) * c], inputs.w1[r].t(), self.x_sf_t[r].t(), inputs.w1_sf[r].t())
                         for r in range(e)]
         self.l1_out = torch.empty(e, c, 2 * i, dtype=out_dtype, device=dev)
         self.out = torch.empty(e, c, h, dtype=torch.bfloat16, device=dev)

@@ -5,8 +5,14 @@ same pool rows, warm and after an L2 flush, against the weight-read floor of the
 Routing of every case: top-k of randn(T, E) (seed s), weights the softmax of the chosen scores. Every case's output
 is checked first against megamoe.reference.moe (y rel-L2), and the serial and overlapped outputs compared bit for
 bit. Times: GPU time of back-to-back runs queued behind a sleep (bench.timing.time_queued_us), median of `iters`;
-cold: each run after a 256 MB write (outside its interval). Not yet here: the chain of unit kernels and the cuBLAS
-unfused pipeline on routed rows (issue part 1's bench list)."""
+cold: each run after a 256 MB write (outside its interval). Beside the fused kernel, in the same rounds:
+- the expert-FFN unit kernel on the pool rows the fused call left (the GEMM work alone);
+- the chain of our unit kernels: the dispatch/combine unit kernel (dispatch, its trivial expert, scatter, combine)
+  then the expert-FFN unit kernel, two launches back to back (the fused kernel's work, unfused);
+- the cuBLAS unfused pipeline on the routed rows (`RoutedCublas`: gather, the recipe per expert through
+  `torch._scaled_mm`, the top-k combine in torch; CUDA-graphed), its y checked against the reference too.
+`wave_fills`: the fused kernel's wave fill targets to time (heuristics.WAVE_FILL x the grid by default; 0 = one
+wave of every expert)."""
 from __future__ import annotations
 
 import math
@@ -33,6 +39,80 @@ FUSED_FORMULA = (
 )
 
 
+class RoutedCublas:
+    """The cuBLAS unfused pipeline on one routing: the (token, slot) rows gathered expert-major into a buffer padded
+    to the largest expert's rows (rounded up to 16; padding rows are zeros with weight 0 and are dropped at the
+    combine), bench.ffn.UnfusedCublas (per expert L1 `_scaled_mm`, SwiGLU x top-k weight, the per-64 requant, L2
+    `_scaled_mm`), then the combine: an fp32 index_add over tokens, one BF16 cast. `run` is capturable.
+    `scaled_mm` replaces `torch._scaled_mm` (CPU tests)."""
+
+    def __init__(self, x: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 natural: tuple, num_experts: int, *, out_dtype: torch.dtype,
+                 scaled_mm: Any = None) -> None:
+        from megamoe.bench.ffn import FfnBenchInputs, UnfusedCublas
+
+        t, h = x.shape
+        dev = x.device
+        valid = topk_idx >= 0
+        tokens = torch.arange(t, device=dev).unsqueeze(1).expand_as(topk_idx)[valid]
+        experts, weights = topk_idx[valid].long(), topk_weights[valid]
+        counts = torch.bincount(experts, minlength=num_experts)
+        rows = max(16, -(-int(counts.max()) // 16) * 16) if experts.numel() else 16
+        order = torch.argsort(experts, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        slot_in_expert = torch.arange(order.numel(), device=dev) - starts[experts[order]]
+        position = experts[order] * rows + slot_in_expert
+        n = num_experts * rows
+        self.num_tokens, self.hidden = t, h
+        self.src_token = torch.full((n,), t, dtype=torch.long, device=dev)  # padding rows read row t (zeros)
+        self.src_token[position] = tokens[order]
+        self.x_ext = torch.cat([x.view(torch.uint8), torch.zeros(1, h, dtype=torch.uint8, device=dev)])
+        self.x_sf_ext = torch.cat([x_sf, torch.ones(1, x_sf.shape[1], dtype=torch.float32, device=dev)])
+        w_pad = torch.zeros(n, dtype=torch.float32, device=dev)
+        w_pad[position] = weights[order].float()
+        (w1, w1_sf), (w2, w2_sf) = natural
+        self.inputs = FfnBenchInputs(torch.zeros(n, h, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn),
+                                     torch.ones(n, h // 128, dtype=torch.float32, device=dev), w_pad,
+                                     w1, w1_sf, w2, w2_sf)
+        self.pipeline = UnfusedCublas(self.inputs, num_experts, rows, out_dtype=out_dtype, scaled_mm=scaled_mm)
+        self.rows = rows
+        self.y32 = torch.empty(t + 1, h, dtype=torch.float32, device=dev)
+        self.y = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+
+    def run(self) -> torch.Tensor:
+        e, c = self.pipeline.num_experts, self.rows
+        torch.index_select(self.x_ext, 0, self.src_token, out=self.inputs.x.view(torch.uint8))
+        sf = torch.index_select(self.x_sf_ext, 0, self.src_token)
+        self.pipeline.x_sf_t.copy_(sf.view(e, c, -1).transpose(1, 2))
+        out = self.pipeline.run()
+        self.y32.zero_()
+        self.y32.index_add_(0, self.src_token, out.view(e * c, self.hidden).float())
+        self.y.copy_(self.y32[:self.num_tokens])
+        return self.y
+
+
+def verified_routed_cublas(x: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                           natural: tuple, num_experts: int, y_ref: torch.Tensor,
+                           tolerance: float) -> tuple[RoutedCublas | None, float | None, str]:
+    """RoutedCublas with fp32 GEMM outputs, else BF16 ones, whichever first runs and matches y_ref within
+    `tolerance`: (pipeline or None, its y rel-L2, what failed)."""
+    from megamoe import reference
+    from megamoe.bench.results import first_line
+
+    failures = []
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            pipeline = RoutedCublas(x, x_sf, topk_idx, topk_weights, natural, num_experts, out_dtype=dtype)
+            err = reference.rel_l2(pipeline.run().float(), y_ref.float())
+        except Exception as exc:  # a recipe this torch / cuBLAS build lacks is reported, not fatal
+            failures.append(f"{dtype}: {first_line(exc)}")
+            continue
+        if math.isfinite(err) and err <= tolerance:
+            return pipeline, err, "; ".join(failures)
+        failures.append(f"{dtype}: y rel-L2 {err:.2e}")
+    return None, None, "; ".join(failures)
+
+
 @dataclass(kw_only=True)
 class FusedMeasurement(Measurement):
     cold: bool = False
@@ -52,6 +132,7 @@ class FusedCaseResult(CaseResult[FusedMeasurement]):
     serial_equals_overlapped: bool
     warmup: int
     iters: int
+    cublas_y_rel_l2: float | None = None
 
 
 def routed_inputs(num_tokens: int, num_experts: int, num_topk: int, hidden: int, seed: int,
@@ -68,23 +149,33 @@ def routed_inputs(num_tokens: int, num_experts: int, num_topk: int, hidden: int,
 
 
 def fused_kernel_configs(tokens: Sequence[int] = FUSED_TOKENS) -> list[Any]:
-    """Every variant the bench launches (for --compile-only): the fused kernel both orders, the unit kernel."""
+    """Every variant the bench launches (for --compile-only): the fused kernel both orders, the expert-FFN and the
+    dispatch/combine unit kernels."""
     from megamoe.fused import config_for
+    from megamoe.kernels.dispatch_combine import DispatchCombineConfig
     from megamoe.kernels.expert_ffn import ExpertFfnConfig
     from megamoe.layout import SymmLayout
 
     e, h, i, k = FUSED_SHAPE
     layout = SymmLayout.create(1, e, FUSED_MAX_TOKENS, k, h, i)
     fused = [config_for(layout, serial=s) for s in (True, False)]
-    return fused + [ExpertFfnConfig(fused[0].block_m, h, i, e, fast_math=True)]
+    return fused + [ExpertFfnConfig(fused[0].block_m, h, i, e, fast_math=True),
+                    DispatchCombineConfig(layout, fused[0].block_m, True)]
 
 
 def precompile_fused(console: Any = None) -> None:
     from megamoe.fused import compile_fused
+    from megamoe.kernels.dispatch_combine import DispatchCombineConfig
+    from megamoe.kernels.dispatch_combine import compile_kernel as compile_dispatch_combine
     from megamoe.kernels.expert_ffn import ExpertFfnConfig, compile_expert_ffn
 
     for config in fused_kernel_configs():
-        (compile_expert_ffn if isinstance(config, ExpertFfnConfig) else compile_fused)(config)
+        if isinstance(config, ExpertFfnConfig):
+            compile_expert_ffn(config)
+        elif isinstance(config, DispatchCombineConfig):
+            compile_dispatch_combine(config)
+        else:
+            compile_fused(config)
 
 
 def _unit_kernel_pool(buf: Any, config: Any, counts: list[int], w: tuple) -> tuple[Any, Any]:
@@ -100,14 +191,25 @@ def _unit_kernel_pool(buf: Any, config: Any, counts: list[int], w: tuple) -> tup
     return inputs, ef.new_outputs(config, rows, device)
 
 
+def wave_tiles(fill: int, num_sms: int) -> int:
+    """min_wave_l1_tiles of a wave fill: fill x the grid; 0 = one wave of every expert."""
+    return 2**32 - 1 if fill == 0 else fill * num_sms
+
+
 def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUSED_SEEDS, *, warmup: int = 5,
-                iters: int = 30, device: str = "cuda") -> list[FusedCaseResult]:
-    from megamoe import reference, weights
+                iters: int = 30, wave_fills: Sequence[int] | None = None,
+                device: str = "cuda") -> list[FusedCaseResult]:
+    from megamoe import heuristics, reference, weights
     from megamoe.bench.ffn import ffn_random_weights
+    from megamoe.bench.timing import graphed
     from megamoe.buffer import allocate
     from megamoe.fused.launch import run as fused_run
+    from megamoe.jit.runtime import num_sms as device_num_sms
+    from megamoe.kernels import dispatch_combine as dc
     from megamoe.kernels import expert_ffn as ef
     from megamoe.layout import SymmLayout
+
+    wave_fills = list(wave_fills or [heuristics.WAVE_FILL])
 
     dev = torch.device(device)
     e, h, i, k = FUSED_SHAPE
@@ -144,10 +246,34 @@ def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUS
                 outputs.l1_done_count.zero_()
                 ef.run(ffn_config, pool, outputs)
 
-            runners = {"fused, overlapped": lambda: fused_run(y[False], l1, l2, buf, t, serial=False),
-                       "fused, phase-serial": lambda: fused_run(y[True], l1, l2, buf, t, serial=True),
-                       "expert-FFN unit kernel, same rows (+ counter memset)": unit_kernel}
+            y_dc = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+
+            def chain() -> None:
+                dc.run(buf, t, y_dc, block_m=configs[False].block_m, check_inputs=False)
+                unit_kernel()
+
+            grid = device_num_sms(dev)
+            runners = {}
+            for fill in wave_fills:
+                label = "" if fill == heuristics.WAVE_FILL and len(wave_fills) == 1 else (
+                    ", one wave" if fill == 0 else f", waves >= {fill} x grid L1 tiles")
+                runners[f"fused, overlapped{label}"] = (
+                    lambda tiles=wave_tiles(fill, grid): fused_run(y[False], l1, l2, buf, t, serial=False,
+                                                                   min_wave_l1_tiles=tiles))
+            runners["fused, phase-serial"] = lambda: fused_run(y[True], l1, l2, buf, t, serial=True)
+            runners["expert-FFN unit kernel, same rows (+ counter memset)"] = unit_kernel
+            runners["chain: dispatch/combine unit kernel + expert-FFN unit kernel"] = chain
+            cublas, cublas_err, cublas_note = verified_routed_cublas(x, x_sf, idx, tw, natural, e, y_ref,
+                                                                     FUSED_MAX_Y_REL_L2)
+            result.cublas_y_rel_l2 = cublas_err
+            cublas_name = "cuBLAS unfused pipeline (gather, _scaled_mm per expert, torch combine; graphed)"
+            if cublas is not None:
+                runners[cublas_name] = graphed(cublas.run)
             ok = math.isfinite(err) and err <= FUSED_MAX_Y_REL_L2
+            if cublas is None:
+                for cold in (False, True):
+                    result.record(FusedMeasurement(impl=cublas_name, time_us=None, cold=cold,
+                                                   note=f"NOT TIMED: {cublas_note}"))
             for name, fn in runners.items():
                 for cold in (False, True):
                     note = "" if ok else f"NOT TIMED: y rel-L2 {err:.2e} > {FUSED_MAX_Y_REL_L2:g}"
@@ -172,12 +298,13 @@ def fused_report(results: list[FusedCaseResult]) -> tuple[dict[str, Any], Table]
     warmup = results[0].warmup if results else 0
     caption = FUSED_FORMULA.format(hbm=HBM_READ_TBPS, iters=iters, warmup=warmup)
     table = results_table(f"megamoe bench fused: E {e} H {h} I {i} top-{k}, one GPU ({torch.cuda.get_device_name()})",
-                          ["case", "experts / max rows / rows", "floor us", "y rel-L2, serial == overlapped",
+                          ["case", "experts / max rows / rows", "floor us", "y rel-L2 fused / cuBLAS, serial == overlapped",
                            "implementation", "L2", "us", "x floor", "TFLOP/s", "note"],
                           left=["case", "implementation", "note"], caption=caption)
     for r in results:
         info = [f"{r.experts_touched} / {r.max_rows} / {r.rows}", f"{r.floor_us:.1f}",
-                f"{r.y_rel_l2:.2e}, {'yes' if r.serial_equals_overlapped else 'NO'}"]
+                f"{r.y_rel_l2:.2e} / {fmt(r.cublas_y_rel_l2, '.2e')}, "
+                f"{'yes' if r.serial_equals_overlapped else 'NO'}"]
         for j, m in enumerate(r.measurements):
             table.add_row(r.case if j == 0 else "", *(info if j == 0 else ["", "", ""]), m.impl,
                           "cold" if m.cold else "warm", fmt(m.time_us, ".1f"), fmt(m.x_floor, ".2f"),
