@@ -69,12 +69,13 @@ def test_matrix_configs(case: tuple, num_sms: int) -> None:
     config = select_config(ranks, experts, tokens, topk, hidden, inter, num_sms=num_sms)
     assert config.block_m == heuristics.block_m_for(config.expected_tokens_per_expert) and config.num_sms == num_sms
     # Waves are cut on the device from the received counts; the config holds their fill target only.
-    assert config.min_wave_l1_tiles == min_wave_l1_tiles_for(num_sms) == heuristics.WAVE_FILL * num_sms
+    assert config.min_wave_l1_tiles == min_wave_l1_tiles_for(num_sms, heuristics.WAVE_FILL)
 
 
 def test_wave_fill_target() -> None:
-    assert min_wave_l1_tiles_for(132) == heuristics.WAVE_FILL * 132
-    assert min_wave_l1_tiles_for(8) == heuristics.WAVE_FILL * 8
+    assert min_wave_l1_tiles_for(132, 2) == 264 and min_wave_l1_tiles_for(8, 1) == 8
+    assert min_wave_l1_tiles_for(132, 0) == heuristics.ONE_WAVE == 2**32 - 1
+    assert min_wave_l1_tiles_for(132) == min_wave_l1_tiles_for(132, heuristics.WAVE_FILL)
 
 
 def test_n_major_threshold_and_override(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,8 +33,11 @@ BUCKET_BLOCK_M_32 = 16.5  # expected tokens per expert <= 16.5 -> BLOCK_M 32
 BUCKET_BLOCK_M_64 = 64.5  # <= 64.5 -> BLOCK_M 64, else 128
 N_MAJOR_THRESHOLD = 256.0  # expected tokens per expert >= 256 -> N-major L2 order
 DEFAULT_NUM_SMS = 132  # H200
-# A wave of experts closes once its L1 tiles reach WAVE_FILL x the grid (fused_scheduler.cuh: cut_wave)
-WAVE_FILL = 1
+# A wave of experts closes once its L1 tiles reach WAVE_FILL x the grid (fused_scheduler.cuh: cut_wave); 0: one
+# wave of every expert. One rank of the DSV4-Flash shape measured one wave fastest at every T (fills 1, 2, 4 and
+# one wave: notes/fused.md); waves may pay off where the pull is slow (several GPUs at prefill), not measured yet.
+WAVE_FILL = 0
+ONE_WAVE = 2**32 - 1  # min_wave_l1_tiles that no wave reaches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,9 +80,10 @@ def block_m_for(expected: float) -> int:
     return 128
 
 
-def min_wave_l1_tiles_for(num_sms: int) -> int:
-    """The L1 tiles at which a wave of experts closes: WAVE_FILL x the grid (every CTA has an L1 tile per wave)."""
-    return WAVE_FILL * num_sms
+def min_wave_l1_tiles_for(num_sms: int, fill: int = WAVE_FILL) -> int:
+    """The L1 tiles at which a wave of experts closes: fill x the grid (every CTA has `fill` L1 tiles per wave);
+    fill 0: one wave (ONE_WAVE)."""
+    return ONE_WAVE if fill == 0 else fill * num_sms
 
 
 _printed_configs: set[tuple[object, ...]] = set()
@@ -139,7 +143,7 @@ def _config_columns(config: MoeConfig) -> list[tuple[str, str]]:
         ("BLOCK_M", str(config.block_m)),
         ("coop", "yes" if config.cooperative else "no"),
         ("math WGs", str(config.num_math_warpgroups)),
-        ("wave L1 tiles >=", str(config.min_wave_l1_tiles)),
+        ("wave L1 tiles >=", "one wave" if config.min_wave_l1_tiles == ONE_WAVE else str(config.min_wave_l1_tiles)),
         ("L2 order", "N-major" if config.n_major_l2 else "M-major"),
         ("SMs", str(config.num_sms)),
     ]

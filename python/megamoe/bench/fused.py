@@ -191,11 +191,6 @@ def _unit_kernel_pool(buf: Any, config: Any, counts: list[int], w: tuple) -> tup
     return inputs, ef.new_outputs(config, rows, device)
 
 
-def wave_tiles(fill: int, num_sms: int) -> int:
-    """min_wave_l1_tiles of a wave fill: fill x the grid; 0 = one wave of every expert."""
-    return 2**32 - 1 if fill == 0 else fill * num_sms
-
-
 def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUSED_SEEDS, *, warmup: int = 5,
                 iters: int = 30, wave_fills: Sequence[int] | None = None,
                 device: str = "cuda") -> list[FusedCaseResult]:
@@ -258,7 +253,7 @@ def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUS
                 label = "" if fill == heuristics.WAVE_FILL and len(wave_fills) == 1 else (
                     ", one wave" if fill == 0 else f", waves >= {fill} x grid L1 tiles")
                 runners[f"fused, overlapped{label}"] = (
-                    lambda tiles=wave_tiles(fill, grid): fused_run(y[False], l1, l2, buf, t, serial=False,
+                    lambda tiles=heuristics.min_wave_l1_tiles_for(grid, fill): fused_run(y[False], l1, l2, buf, t, serial=False,
                                                                    min_wave_l1_tiles=tiles))
             runners["fused, phase-serial"] = lambda: fused_run(y[True], l1, l2, buf, t, serial=True)
             runners["expert-FFN unit kernel, same rows (+ counter memset)"] = unit_kernel
