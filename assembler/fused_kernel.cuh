@@ -15,6 +15,7 @@
 #pragma once
 
 #include "combine/reduce.cuh"
+#include "common/phase_timer.cuh"
 #include "dispatch_phases.cuh"
 #include "fused_roles.cuh"
 
@@ -82,7 +83,12 @@ template <typename T>
 MEGAMOE_DEVICE void fused_impl(const FusedMaps& maps, const SymBuffer& sym, const FusedParams& p,
                                const DeviceEnv& env) {
     extern __shared__ __align__(1024) uint8_t smem_buffer[];
+    const bool is_warp_0 = threadIdx.x < 32;
+    if (is_warp_0)
+        PhaseTimer{p.phase_times}.mark(kMarkStart, lane_idx());
     fused_head<T>(FusedContext<T>(maps, sym, p, env, smem_buffer));
+    if (is_warp_0)
+        PhaseTimer{p.phase_times}.mark(kMarkHead, lane_idx());
     run_warp_roles<T::kNumMathWarpgroups, SpareWarpgroup::kKeepRegisters, kFusedWg0Regs>(
         [&](uint32_t warp) { dispatch_role<T>(FusedContext<T>(maps, sym, p, env, smem_buffer), warp); },
         [&]() { tma_a_role<T>(FusedContext<T>(maps, sym, p, env, smem_buffer)); },
@@ -93,7 +99,12 @@ MEGAMOE_DEVICE void fused_impl(const FusedMaps& maps, const SymBuffer& sym, cons
         [&](uint32_t math_wg_idx, uint32_t) {
             reduce_role<T>(FusedContext<T>(maps, sym, p, env, smem_buffer), math_wg_idx);
         });
+    // (marked here, after the roles: a mark inside the math role, even after its tile loop, made ptxas spill in it)
+    if (warp_idx() == kFirstMathThread / 32)
+        PhaseTimer{p.phase_times}.mark(kMarkReduce, lane_idx());
     fused_tail<T>(FusedContext<T>(maps, sym, p, env, smem_buffer));
+    if (threadIdx.x < 32)
+        PhaseTimer{p.phase_times}.mark(kMarkEnd, lane_idx());
 }
 
 }  // namespace megamoe::assembler

@@ -7,6 +7,7 @@
 #include "combine/reduce.cuh"
 #include "combine/scatter.cuh"
 #include "common/fence.cuh"
+#include "common/phase_timer.cuh"
 #include "common/sync.cuh"
 #include "fused_scheduler.cuh"
 #include "fused_traits.cuh"
@@ -82,6 +83,7 @@ MEGAMOE_DEVICE void dispatch_role(const FusedContext<T>& ctx, uint32_t warp) {
         ctx.smem + T::kOffsetPull + warp * T::kPullStages * dispatch::kPullStageBytes,
         ctx.pull_barriers + warp * T::kPullStages, ctx.cta_idx() * kNumDispatchWarps + warp,
         ctx.num_ctas() * kNumDispatchWarps);
+    PhaseTimer{ctx.p.phase_times}.mark(kMarkPull, lane_idx());
 }
 
 // Wait until `counter` reaches `target`, then let the async proxy read what it publishes.
@@ -146,12 +148,14 @@ MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
             wait_pool_counter(tiered_env(ctx.env, kTierArrival, kRoleProducer), "l1_arrival",
                               ctx.pool_counter(layout::kL1ArrivalCountOffset, task.pool_block_idx),
                               task.num_valid_rows, task.pool_block_idx);
+            PhaseTimer{ctx.p.phase_times}.mark(kMarkL1Start, 0);
             gemm::produce_a_tile<typename T::L1>(ctx.pipeline, state, ctx.smem_l1, ctx.maps.l1_a, ctx.maps.l1_sfa,
                                                  pool_row, tiered_env(ctx.env, kTierPipeline, kRoleProducer));
         } else {
             wait_pool_counter(tiered_env(ctx.env, kTierPipeline, kRoleProducer), "l1_done",
                               ctx.pool_counter(layout::kL1DoneCountOffset, task.pool_block_idx), T::kNumL1NBlocks,
                               task.pool_block_idx);
+            PhaseTimer{ctx.p.phase_times}.mark(kMarkL2Start, 0);
             gemm::produce_a_tile<typename T::L2>(ctx.pipeline, state, ctx.smem_l2, ctx.maps.l2_a, ctx.maps.l2_sfa,
                                                  pool_row, tiered_env(ctx.env, kTierPipeline, kRoleProducer));
         }

@@ -91,6 +91,17 @@ struct FusedParams {
                           // (count, then (phase << 31 | expert, m block, n block, pool block) per task)
     uint32_t min_wave_l1_tiles;  // fused_scheduler.cuh: a wave of experts closes once its L1 tiles reach this
     uint32_t reserved;
+    unsigned long long* phase_times;  // profiling, or nullptr: common/phase_timer.cuh, the FusedPhaseMark phases
+};
+
+// The phases the fused kernel marks when handed a phase_times buffer (megamoe/fused/launch.py: PHASES), each
+// the earliest and the latest mark over the CTAs' marking warps: kernel start and head done (warp 0); pulls done
+// (each dispatch warp: the latest is the last pool block's arrival); every L1 tile's and every L2 tile's A load
+// issued, once its input is ready (the TMA-A warp: the earliest L1 mark is the first L1 tile's start, the latest
+// L2 mark the last L2 tile's start); tiles and reduce done (the first math warp, after its role); kernel end
+// (warp 0).
+enum FusedPhaseMark : uint32_t {
+    kMarkStart = 0, kMarkHead, kMarkPull, kMarkL1Start, kMarkL2Start, kMarkReduce, kMarkEnd, kNumPhaseMarks
 };
 
 constexpr uint32_t kDebugHangAtDispatchBarrier = 1u;  // the dispatch barrier waits for an unreachable value

@@ -31,12 +31,39 @@ def test_variants_and_cli() -> None:
         "tokens": [8, 128], "wave_fills": [1, 2, 0]}
     with pytest.raises(ValueError, match="only apply to `megamoe bench comm`"):
         bench_options(parse_args(["bench", "fused", "--iters", "8"]))
-    with pytest.raises(ValueError, match="only applies to `megamoe bench fused`"):
+    with pytest.raises(ValueError, match="only apply to `megamoe bench fused`"):
         bench_options(parse_args(["bench", "comm", "--wave-fill", "1"]))
+    with pytest.raises(ValueError, match="only apply to `megamoe bench fused`"):
+        bench_options(parse_args(["bench", "comm", "--phases"]))
+    assert bench_options(parse_args(["bench", "fused", "--phases"])) == {"phases": True}
     with pytest.raises(ValueError, match=">= 0"):
         bench_options(parse_args(["bench", "fused", "--wave-fill", "-1"]))
     # the chain's dispatch/combine unit kernel runs at the fused kernel's BLOCK_M
     assert configs[3].block_m == configs[0].block_m and type(configs[3]).__name__ == "DispatchCombineConfig"
+
+
+def test_phases_table() -> None:
+    """The --phases table from recorded marks: the overlap column says whether the first L1 tile started before
+    the last pool block arrived."""
+    from rich.console import Console
+
+    from megamoe.fused.launch import PHASES
+
+    def case(first_l1: float) -> bf.FusedCaseResult:
+        marks = {"start": (0, 0), "head": (10, 12), "pull": (15, 80), "l1_start": (first_l1, 90),
+                 "l2_start": (40, 150), "reduce": (160, 170), "end": (175, 180)}
+        return bf.FusedCaseResult(case=f"T 1024 seed {first_l1}", tokens=1024, seed=0, experts_touched=32,
+                                  max_rows=200, rows=6144, floor_us=184.7, block_m=128, y_rel_l2=4e-3,
+                                  serial_equals_overlapped=True, warmup=1, iters=1,
+                                  phases=[(n, *marks[n]) for n in PHASES])
+
+    console = Console(width=240, record=True)
+    console.print(bf.phases_table([case(20.0), case(85.0)]))
+    text = console.export_text()
+    assert "first L1 before last arrival" in text and "20.0 / 90.0" in text
+    rows = [line for line in text.splitlines() if "T 1024 seed" in line]
+    assert rows[0].rstrip(" │").endswith("yes") and rows[1].rstrip(" │").endswith("no")
+    assert bf.phases_table([]) is None
 
 
 def test_routed_cublas_matches_the_reference() -> None:

@@ -108,12 +108,12 @@ MEGAMOE_DEVICE L1Quantized l1_activate_quantize(const float (&acc)[kNumAccum], c
         }
 
         // The row's 64 columns live in this quad
-        const RequantScales scales = requant_scales(quad_max(amax));
+        const fp8::GroupScales scales = fp8::group_scales(quad_max(amax));
         out.sf[h] = scales.sf;
         #pragma unroll
         for (uint32_t c = 0; c < 4; ++ c)
-            out.packed[h][c] = quantize_pair(v[4 * c + 0], v[4 * c + 1], scales.inv) |
-                               (quantize_pair(v[4 * c + 2], v[4 * c + 3], scales.inv) << 16);
+            out.packed[h][c] = fp8::quantize_pair(v[4 * c + 0], v[4 * c + 1], scales.inv) |
+                               (fp8::quantize_pair(v[4 * c + 2], v[4 * c + 3], scales.inv) << 16);
     }
     return out;
 }

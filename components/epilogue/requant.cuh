@@ -1,43 +1,16 @@
-// The L1 -> L2 requant of DESIGN section 4, per row and 64 output columns: amax = max |v|, a = max(amax, 1e-10),
-// sf = a / 448, q = e4m3_rn_satfinite(v * (448 / a)). Both quotients are IEEE divisions (never fast math).
+// The L1 -> L2 requant of DESIGN section 4, per row and 64 output columns: the FP8 group quantization of
+// common/fp8.cuh (sf = a / 448, q = e4m3_rn_satfinite(v * (448 / a)), IEEE divisions) over the 4 lanes of a quad.
 #pragma once
 
-#include "common/utils.cuh"
+#include "common/fp8.cuh"
 
 namespace megamoe::epilogue {
-
-constexpr float kFp8Max = 448.0f;
-constexpr float kSfEpsilon = 1e-10f;
 
 // Max over the 4 lanes of a quad (the lanes that hold one accumulator row): two xor shuffles.
 MEGAMOE_DEVICE float quad_max(float value) {
     value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, 1));
     value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, 2));
     return value;
-}
-
-// The scale factor stored for L2 and the multiplier that maps the row's values into the FP8 range.
-struct RequantScales {
-    float sf;   // a / 448
-    float inv;  // 448 / a
-};
-
-MEGAMOE_DEVICE RequantScales requant_scales(float amax) {
-    const float a = fmaxf(amax, kSfEpsilon);
-    return {__fdiv_rn(a, kFp8Max), __fdiv_rn(kFp8Max, a)};
-}
-
-// Two fp32 values -> two e4m3 codes, round to nearest even, saturating to +-448 (NaN stays NaN):
-// `lo` in bits [0, 8), `hi` in bits [8, 16) (cvt puts its first source in the upper byte).
-MEGAMOE_DEVICE uint32_t cvt_e4m3x2(float lo, float hi) {
-    uint16_t packed;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
-    return packed;
-}
-
-// q pair of (v_lo, v_hi) with the row's multiplier: one fp32 multiply each, then the conversion.
-MEGAMOE_DEVICE uint32_t quantize_pair(float v_lo, float v_hi, float inv) {
-    return cvt_e4m3x2(__fmul_rn(v_lo, inv), __fmul_rn(v_hi, inv));
 }
 
 }  // namespace megamoe::epilogue

@@ -20,8 +20,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-COMM_ONLY_OPTIONS = ("tokens", "warmup", "iters", "compile_only", "ranks", "wave_fill")
-FUSED_OPTIONS = ("tokens", "compile_only", "wave_fill")
+COMM_ONLY_OPTIONS = ("tokens", "warmup", "iters", "compile_only", "ranks", "wave_fill", "phases")
+FUSED_OPTIONS = ("tokens", "compile_only", "wave_fill", "phases")
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -55,9 +55,11 @@ def bench_options(args: argparse.Namespace) -> dict:
             if any(f < 0 for f in fills):
                 raise ValueError(f"--wave-fill values must be >= 0 (0: one wave), got {args.wave_fill!r}")
             options["wave_fills"] = fills
+        if args.phases:
+            options["phases"] = True
         return options
-    if args.wave_fill is not None:
-        raise ValueError("--wave-fill only applies to `megamoe bench fused`")
+    if args.wave_fill is not None or args.phases:
+        raise ValueError("--wave-fill and --phases only apply to `megamoe bench fused`")
     if args.name != "comm":
         if given:
             raise ValueError(f"{', '.join(given)} only apply to `megamoe bench comm`")
@@ -138,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     fused.add_argument("--wave-fill", default=None,
                        help="wave fill targets to time, comma-separated: a wave closes at fill x grid L1 tiles, "
                             "0 = one wave (default heuristics.WAVE_FILL)")
+    fused.add_argument("--phases", action="store_true",
+                       help="also the kernel's phase marks per case (head, pull, first L1, last L2, reduce, end)")
     bench.set_defaults(fn=_cmd_bench)
 
     jit = sub.add_parser("jit", help="compile every kernel variant into the JIT cache")

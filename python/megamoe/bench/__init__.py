@@ -43,6 +43,8 @@ def main(name: str, json_path: str | None = None, **options: Any) -> list:
         raise SystemExit("megamoe bench needs a CUDA GPU")
     results = run(**options)
     console = Console()
+    if not console.is_terminal:  # a log file: wide enough for the tables' columns
+        console = Console(width=max(console.width, 240))
     fields, table = report(results)
     payload: dict[str, Any] = {"bench": name, **fields}
     console.print(table)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+from rich.console import Group
 from rich.table import Table
 
 from megamoe.bench.results import CaseResult, Measurement, fmt, results_table
@@ -133,6 +134,8 @@ class FusedCaseResult(CaseResult[FusedMeasurement]):
     warmup: int
     iters: int
     cublas_y_rel_l2: float | None = None
+    # --phases: (phase, earliest, latest mark in us after the kernel's start) of one overlapped call, warm L2
+    phases: list[tuple[str, float, float]] | None = None
 
 
 def routed_inputs(num_tokens: int, num_experts: int, num_topk: int, hidden: int, seed: int,
@@ -192,13 +195,15 @@ def _unit_kernel_pool(buf: Any, config: Any, counts: list[int], w: tuple) -> tup
 
 
 def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUSED_SEEDS, *, warmup: int = 5,
-                iters: int = 30, wave_fills: Sequence[int] | None = None,
+                iters: int = 30, wave_fills: Sequence[int] | None = None, phases: bool = False,
                 device: str = "cuda") -> list[FusedCaseResult]:
     from megamoe import heuristics, reference, weights
     from megamoe.bench.ffn import ffn_random_weights
     from megamoe.bench.timing import graphed
     from megamoe.buffer import allocate
+    from megamoe.fused.launch import PHASES
     from megamoe.fused.launch import run as fused_run
+    from megamoe.jit.diagnostics import PhaseTimes
     from megamoe.jit.runtime import num_sms as device_num_sms
     from megamoe.kernels import dispatch_combine as dc
     from megamoe.kernels import expert_ffn as ef
@@ -233,6 +238,12 @@ def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUS
                                      max_rows=max(counts), rows=rows, floor_us=floor,
                                      block_m=configs[False].block_m, y_rel_l2=err, serial_equals_overlapped=same,
                                      warmup=warmup, iters=iters)
+            if phases:
+                for _ in range(3):  # warm: the marks of the last of three calls
+                    timer = PhaseTimes(PHASES, dev)
+                    fused_run(y[False], l1, l2, buf, t, serial=False, phase_times=timer)
+                torch.cuda.synchronize()
+                result.phases = timer.ends_us()
             flops = 6.0 * rows * h * i
             ffn_config = ef.ExpertFfnConfig(configs[False].block_m, h, i, e, fast_math=True)
             pool, outputs = _unit_kernel_pool(buf, ffn_config, counts, (l1, l2))
@@ -305,4 +316,31 @@ def fused_report(results: list[FusedCaseResult]) -> tuple[dict[str, Any], Table]
                           "cold" if m.cold else "warm", fmt(m.time_us, ".1f"), fmt(m.x_floor, ".2f"),
                           fmt(m.tflops, ".0f"), m.note)
         table.add_section()
-    return {"shape": {"experts": e, "hidden": h, "intermediate": i, "topk": k}, "formula": caption}, table
+    phases = phases_table(results)
+    fields = {"shape": {"experts": e, "hidden": h, "intermediate": i, "topk": k}, "formula": caption}
+    return fields, (table if phases is None else Group(table, phases))
+
+
+PHASE_CAPTION = (
+    "us after the kernel's start, earliest / latest mark over the CTAs (one overlapped call, warm L2): head = count + "
+    "notify + NVLink barrier + receive table; pull = a dispatch warp's pulls done (latest: the last pool block "
+    "arrived); L1 / L2 start = a tile's A load issued once its input was ready (earliest L1: the first L1 tile; "
+    "latest L2: the last L2 tile); reduce = a CTA's math warps done (tiles and top-k reduce); end = after the "
+    "combine barrier"
+)
+
+
+def phases_table(results: list[FusedCaseResult]) -> Table | None:
+    """The --phases table: one row per case, earliest / latest mark per phase (None without phases)."""
+    timed = [r for r in results if r.phases]
+    if not timed:
+        return None
+    names = [name for name, _, _ in timed[0].phases][1:]
+    table = results_table("megamoe bench fused --phases", ["case", *names, "first L1 before last arrival"],
+                          left=["case"], caption=PHASE_CAPTION)
+    for r in timed:
+        marks = {name: (lo, hi) for name, lo, hi in r.phases}
+        overlapped = marks["l1_start"][0] < marks["pull"][1]
+        table.add_row(r.case, *(f"{marks[n][0]:.1f} / {marks[n][1]:.1f}" for n in names),
+                      "yes" if overlapped else "no")
+    return table

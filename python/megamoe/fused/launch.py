@@ -13,6 +13,7 @@ from megamoe.heuristics import NUM_THREADS
 
 if TYPE_CHECKING:
     from megamoe.buffer import SymmBuffer
+    from megamoe.jit.diagnostics import PhaseTimes
     from megamoe.weights import WeightPair
 
 DEBUG_HANG_AT_DISPATCH_BARRIER = 1  # assembler/fused_traits.cuh: kDebugHangAtDispatchBarrier
@@ -24,10 +25,14 @@ class FusedParamsStruct(ctypes.Structure):
     _fields_ = [("w1_sf", ctypes.c_uint64), ("w2_sf", ctypes.c_uint64), ("y", ctypes.c_uint64),
                 ("recv_stats", ctypes.c_uint64), ("num_tokens", ctypes.c_uint32), ("debug_flags", ctypes.c_uint32),
                 ("clamp", ctypes.c_float), ("task_dump_capacity", ctypes.c_uint32), ("task_dump", ctypes.c_uint64),
-                ("min_wave_l1_tiles", ctypes.c_uint32), ("reserved", ctypes.c_uint32)]
+                ("min_wave_l1_tiles", ctypes.c_uint32), ("reserved", ctypes.c_uint32), ("phase_times", ctypes.c_uint64)]
 
 
-assert ctypes.sizeof(FusedParamsStruct) == 64
+assert ctypes.sizeof(FusedParamsStruct) == 72
+
+# The phases the kernel marks into a PhaseTimes (assembler/fused_traits.cuh: FusedPhaseMark), each the earliest and
+# the latest mark over the CTAs
+PHASES = ("start", "head", "pull", "l1_start", "l2_start", "reduce", "end")
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -76,11 +81,13 @@ def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_to
         recv_stats: torch.Tensor | None = None, activation_clamp: float | None = None, fast_math: bool = True,
         expected_tokens_per_expert: float | None = None, serial: bool = True, num_sms: int | None = None,
         debug_hang: bool = False, timeout_s: float | None = None, task_dump: torch.Tensor | None = None,
-        min_wave_l1_tiles: int | None = None, stream: torch.cuda.Stream | None = None) -> FusedConfig:
+        min_wave_l1_tiles: int | None = None, phase_times: PhaseTimes | None = None,
+        stream: torch.cuda.Stream | None = None) -> FusedConfig:
     """Launch the fused kernel for this rank's first `num_tokens` tokens in `buf` (arguments already validated:
     megamoe.api.validate_fused_args). Collective over buf.group: every rank launches the same variant.
     task_dump (debug): int32 [grid, 1 + 4 capacity], filled with each CTA's task list (`dumped_tasks` reads it).
-    min_wave_l1_tiles: the waves' fill target (default heuristics.min_wave_l1_tiles_for(grid))."""
+    min_wave_l1_tiles: the waves' fill target (default heuristics.min_wave_l1_tiles_for(grid)).
+    phase_times (profiling): a jit.diagnostics.PhaseTimes(PHASES, device), filled with the phases' marks."""
     from megamoe.jit import runtime
     from megamoe.jit.diagnostics import timeout_records
     from megamoe.kernels.dispatch_combine import sym_buffer_struct
@@ -100,7 +107,7 @@ def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_to
                                DEBUG_HANG_AT_DISPATCH_BARRIER if debug_hang else 0,
                                activation_clamp if activation_clamp is not None else 0.0, capacity, _ptr(task_dump),
                                heuristics.min_wave_l1_tiles_for(grid) if min_wave_l1_tiles is None
-                               else min_wave_l1_tiles, 0)
+                               else min_wave_l1_tiles, 0, phase_times.device_ptr if phase_times is not None else 0)
     env = timeout_records().device_env(rank=buf.rank, timeout_s=timeout_s)
     args = [*tensor_maps(config, buf, l1, l2), sym_buffer_struct(buf), params, env]
     kernel.launch(grid, args, config.smem_bytes, device=buf.device, stream=stream)
