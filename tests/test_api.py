@@ -48,8 +48,33 @@ def test_valid_arguments_reach_the_kernel_gate(setup) -> None:
         megamoe.fp8_mega_moe(y, l1, l2, buf, activation="gelu")
     with pytest.raises(ValueError, match="use_fp8_dispatch"):
         megamoe.get_symm_buffer_for_sm90_mega_moe(None, E, T_MAX, TOPK, H, I, use_fp8_dispatch=False)
-    assert megamoe.transform_weights_for_mega_moe is megamoe.transform_weights
-    assert megamoe.transform_weights_for_mega_moe_sm90 is megamoe.transform_weights
+    assert megamoe.fp8_mega_moe_sm90 is megamoe.fp8_mega_moe
+    # the SM90 buffer function rounds the token count up to 128 (DeepGEMM's), the generic one to 384
+    assert megamoe.get_symm_buffer_for_sm90_mega_moe(None, E, 100, TOPK, H, I, device="cpu").num_max_tokens_per_rank \
+        == 128
+    assert megamoe.get_symm_buffer_for_mega_moe(None, E, 100, TOPK, H, I, device="cpu").num_max_tokens_per_rank == 384
+    assert megamoe.get_symm_buffer_for_mega_moe(None, E, 385, TOPK, H, I, mma_type="fp8xfp8", device="cpu") \
+        .num_max_tokens_per_rank == 768
+    with pytest.raises(ValueError, match="num_shared_experts must be 0"):
+        megamoe.get_symm_buffer_for_mega_moe(None, E, 100, TOPK, H, I, num_shared_experts=1)
+    with pytest.raises(ValueError, match="mma_type"):
+        megamoe.get_symm_buffer_for_mega_moe(None, E, 100, TOPK, H, I, mma_type="fp4xfp4")
+    for entry in (megamoe.fp8_fp4_mega_moe, megamoe.fp8_fp4_mega_moe_sm90, megamoe.fp4_fp4_mega_moe,
+                  megamoe.bf16_mega_moe, megamoe.transform_weights_for_mega_moe_sm90_fp4):
+        with pytest.raises(NotImplementedError, match="FP8 x FP8 weights only"):
+            entry(y, l1, l2, buf)
+    # SGLang's SF helper: the checkpoint's float32 128x128 scales are the layout megamoe needs
+    sf = torch.rand(E, 2 * I // 128, H // 128)
+    assert torch.equal(megamoe.transform_sf_into_required_layout(sf, mn=2 * I, k=H, recipe=(128, 128), num_groups=E,
+                                                                 disable_ue8m0_cast=True), sf)
+    with pytest.raises(ValueError, match="UE8M0"):
+        megamoe.transform_sf_into_required_layout(sf, mn=2 * I, k=H, num_groups=E)
+    with pytest.raises(ValueError, match="sf must be float32"):
+        megamoe.transform_sf_into_required_layout(sf, mn=I, k=H, num_groups=E, disable_ue8m0_cast=True)
+    with pytest.raises(ValueError, match="UE8M0"):
+        megamoe.utils.per_token_cast_to_fp8(torch.randn(4, H), use_ue8m0=True)
+    x, x_sf = megamoe.utils.per_token_cast_to_fp8(torch.randn(4, H), use_ue8m0=False, gran_k=128)
+    assert x.dtype == torch.float8_e4m3fn and x_sf.shape == (4, H // 128)
 
 
 def test_buffer_views_alias_the_layout(setup) -> None:

@@ -13,15 +13,25 @@ from megamoe.buffer import SymmBuffer
 
 __version__ = "0.1.0"
 
-# Names for users coming from DeepGEMM's SM90 MegaMoE (its signatures: megamoe.api)
-from megamoe.api import fp8_mega_moe, get_symm_buffer_for_mega_moe  # noqa: E402
+# Names for users coming from DeepGEMM's SM90 MegaMoE, with its signatures (megamoe.compat), and its utils module
+from megamoe import compat, utils  # noqa: E402
+from megamoe.compat import (  # noqa: E402
+    bf16_mega_moe,
+    fp4_fp4_mega_moe,
+    fp8_fp4_mega_moe,
+    fp8_fp4_mega_moe_sm90,
+    fp8_mega_moe,
+    fp8_mega_moe_sm90,
+    get_symm_buffer_for_mega_moe,
+    get_symm_buffer_for_sm90_mega_moe,
+    get_token_alignment_for_mega_moe,
+    get_token_alignment_for_sm90_mega_moe,
+    mega_moe_pre_dispatch_sm90,
+    transform_sf_into_required_layout,
+    transform_weights_for_mega_moe,
+    transform_weights_for_mega_moe_sm90,
+    transform_weights_for_mega_moe_sm90_fp4,
+)
 
-get_symm_buffer_for_sm90_mega_moe = get_symm_buffer_for_mega_moe
-transform_weights_for_mega_moe = transform_weights
-transform_weights_for_mega_moe_sm90 = transform_weights
-
-__all__ = [
-    "SymmBuffer", "fused", "get_symm_buffer", "reference", "transform_weights",
-    "fp8_mega_moe", "get_symm_buffer_for_mega_moe", "get_symm_buffer_for_sm90_mega_moe",
-    "transform_weights_for_mega_moe", "transform_weights_for_mega_moe_sm90",
-]
+__all__ = ["SymmBuffer", "fused", "get_symm_buffer", "reference", "transform_weights", "compat", "utils",
+           *(name for name in compat.__all__ if not name.isupper())]

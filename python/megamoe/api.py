@@ -114,7 +114,8 @@ def validate_fused_args(y: Any, l1_weights: Any, l2_weights: Any, buf: Any, num_
 
 def _check_routing(buf: _buffer.SymmBuffer, num_tokens: int) -> None:
     """The routing the kernel will read: expert ids in [-1, E), valid ids distinct per token (the pool is sized
-    for that), finite weights, finite positive x_sf."""
+    for that), finite weights, finite positive x_sf of every token with an expert (a token whose slots are all -1
+    is never read: a caller that pads its batch leaves those rows as they are)."""
     num_experts = buf.num_experts
     idx = buf.topk_idx[:num_tokens]
     bad = (idx < -1) | (idx >= num_experts)
@@ -132,21 +133,24 @@ def _check_routing(buf: _buffer.SymmBuffer, num_tokens: int) -> None:
     if not bool(torch.isfinite(weights).all()):
         raise ValueError("buf.topk_weights must be finite for the first num_tokens rows")
     x_sf = buf.x_sf[:num_tokens]
-    if not bool((torch.isfinite(x_sf) & (x_sf > 0)).all()):
-        raise ValueError("buf.x_sf must be finite and positive for the first num_tokens rows")
+    routed = (idx >= 0).any(dim=1, keepdim=True)
+    if not bool((torch.isfinite(x_sf) & (x_sf > 0) | ~routed).all()):
+        raise ValueError("buf.x_sf must be finite and positive for the first num_tokens rows (those with an expert)")
 
 
 def fused(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tensor],
           l2_weights: tuple[torch.Tensor, torch.Tensor], buf: _buffer.SymmBuffer, num_tokens: int | None = None,
           cumulative_local_expert_recv_stats: torch.Tensor | None = None, activation_clamp: float | None = None,
           fast_math: bool = True, expected_tokens_per_expert: float | None = None, *,
-          check_inputs: bool = True, num_sms: int | None = None) -> None:
+          check_inputs: bool | None = None, num_sms: int | None = None) -> None:
     """Run the MoE layer for this rank's first `num_tokens` tokens in `buf` into `y` (collective over buf.group:
     every rank calls it, with the same `expected_tokens_per_expert` and `num_sms`). Weights come from
-    `transform_weights`. `check_inputs=False` skips the routing checks that read device memory (needed under CUDA
-    graph capture). `num_sms`: the grid size (default: every SM). The launch is cooperative: a full grid starts
+    `transform_weights`. `check_inputs=False` skips the routing checks that read device memory (a device sync);
+    the default skips them only while the current stream is capturing a CUDA graph. `num_sms`: the grid size (default: every SM). The launch is cooperative: a full grid starts
     only once every other kernel on the GPU has drained; with fewer SMs it runs beside them.
     """
+    if check_inputs is None:
+        check_inputs = not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
     num_tokens = validate_fused_args(y, l1_weights, l2_weights, buf, num_tokens, cumulative_local_expert_recv_stats,
                                      activation_clamp, fast_math, expected_tokens_per_expert, check_inputs)
     if buf.device.type != "cuda" or torch.cuda.get_device_capability(buf.device) != (9, 0):
@@ -163,49 +167,3 @@ def fused(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tensor],
     run(y, l1_weights, l2_weights, buf, num_tokens, recv_stats=cumulative_local_expert_recv_stats,
         activation_clamp=activation_clamp, fast_math=fast_math,
         expected_tokens_per_expert=expected_tokens_per_expert, num_sms=num_sms)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The names DeepGEMM's SM90 MegaMoE users call (DESIGN section 7): same positional and keyword signatures
-# ---------------------------------------------------------------------------------------------------------------
-
-SUPPORTED_RECIPE = (128, 128, 128)
-SUPPORTED_ACTIVATION = "swiglu"
-
-
-def _check_recipe_activation(recipe: Any = SUPPORTED_RECIPE, activation: Any = SUPPORTED_ACTIVATION) -> None:
-    if activation != SUPPORTED_ACTIVATION:
-        raise ValueError(f"activation must be {SUPPORTED_ACTIVATION!r} (the only one megamoe implements), got "
-                         f"{activation!r}")
-    if not isinstance(recipe, (tuple, list)) or tuple(recipe) != SUPPORTED_RECIPE:
-        raise ValueError(f"recipe must be {SUPPORTED_RECIPE} (per-128 activation and 128x128 weight scales, the "
-                         f"only recipe megamoe implements), got {recipe!r}")
-
-
-def get_symm_buffer_for_mega_moe(group: Any, num_experts: int, num_max_tokens_per_rank: int, num_topk: int,
-                                 hidden: int, intermediate_hidden: int, use_fp8_dispatch: bool = True,
-                                 activation: str = SUPPORTED_ACTIVATION, **kwargs: Any) -> _buffer.SymmBuffer:
-    """DeepGEMM's `get_symm_buffer_for_mega_moe`: `get_symm_buffer` after checking the options megamoe supports
-    (FP8 dispatch, SwiGLU); extra keyword arguments go to `get_symm_buffer` (`device`)."""
-    if use_fp8_dispatch is not True:
-        raise ValueError(f"use_fp8_dispatch must be True (megamoe dispatches FP8 with per-128 SF only), got "
-                         f"{use_fp8_dispatch!r}")
-    _check_recipe_activation(activation=activation)
-    return get_symm_buffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
-                           **kwargs)
-
-
-def fp8_mega_moe(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tensor],
-                 l2_weights: tuple[torch.Tensor, torch.Tensor], sym_buffer: _buffer.SymmBuffer,
-                 cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-                 recipe: tuple[int, int, int] = SUPPORTED_RECIPE, activation: str = SUPPORTED_ACTIVATION,
-                 activation_clamp: float | None = None, fast_math: bool = True, **kwargs: Any) -> None:
-    """DeepGEMM's `fp8_mega_moe`: `fused` with the token count taken from `y.shape[0]` (the rows the caller
-    filled in the buffer); extra keyword arguments go to `fused` (`check_inputs`, `num_sms`,
-    `expected_tokens_per_expert`)."""
-    _check_recipe_activation(recipe, activation)
-    if not isinstance(y, torch.Tensor) or y.dim() != 2:
-        raise TypeError(f"y must be a 2-D BF16 tensor [T, H], got "
-                        f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}")
-    fused(y, l1_weights, l2_weights, sym_buffer, y.shape[0], cumulative_local_expert_recv_stats, activation_clamp,
-          fast_math, **kwargs)

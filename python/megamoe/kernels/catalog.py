@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megamoe.jit import compiler
 from megamoe.jit.checks import CheckOptions
-from megamoe.kernels import expert_ffn, gemm, smoke
+from megamoe.kernels import expert_ffn, gemm, input_cast, smoke
 
 # Per-expert row counts of the random-input GEMM tests (DESIGN / issue: 0, non-multiples of BLOCK_M, ...).
 GEMM_RANDOM_COUNTS = [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000]
@@ -62,6 +62,10 @@ FFN_BENCH_CONFIGS = [
     expert_ffn.ExpertFfnConfig(64, 4096, 2048, 32, clamp=False, fast_math=True),
     expert_ffn.ExpertFfnConfig(128, 4096, 2048, 32, clamp=False, fast_math=True),
 ]
+# The layer's input fill (megamoe.layer.MoELayer): the gpu tier's shapes (H 1024 / 4096 / 7168, top-6 / 8, int32 and
+# int64 ids)
+INPUT_CAST_CONFIGS = [input_cast.InputCastConfig(hidden, topk, idx64)
+                      for hidden, topk in ((1024, 6), (4096, 6), (7168, 8)) for idx64 in (False, True)]
 
 
 def all_variants() -> list[tuple[str, object, CheckOptions]]:
@@ -77,6 +81,8 @@ def all_variants() -> list[tuple[str, object, CheckOptions]]:
         out[config.name] = (config.name, config, gemm_checks if config.k > 128 else single_block_checks)
     for config in FFN_EXACT_CONFIGS + FFN_RANDOM_CONFIGS + FFN_BENCH_CONFIGS:
         out[config.name] = (config.name, config, gemm_checks)
+    for config in INPUT_CAST_CONFIGS:
+        out[config.name] = (config.name, config, CheckOptions())
     return list(out.values())
 
 
@@ -87,4 +93,6 @@ def compile_variant(config: object) -> compiler.CompileResult:
         return gemm.compile_gemm(config)
     if isinstance(config, expert_ffn.ExpertFfnConfig):
         return expert_ffn.compile_expert_ffn(config)
+    if isinstance(config, input_cast.InputCastConfig):
+        return input_cast.compile_input_cast(config)
     raise TypeError(f"unknown kernel config {config!r}")
