@@ -72,7 +72,7 @@ def _call(case, buf, l1, l2, num_tokens: int, **kwargs):
 def _test_configs() -> list:
     from megamoe.fused import config_for
 
-    configs = [config_for(SymmLayout.create(*lay), serial=True) for lay in SMALL_LAYOUTS]
+    configs = [config_for(SymmLayout.create(*lay), serial=s) for lay in SMALL_LAYOUTS for s in (True, False)]
     return configs + [config_for(SymmLayout.create(*FLASH_LAYOUT), serial=s) for s in (True, False)]
 
 
@@ -117,7 +117,7 @@ def test_fused_flash_shape(num_tokens: int, serial: bool) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [0, 1, 7, 128])
 @pytest.mark.parametrize("num_experts,num_topk,hidden,intermediate", [lay[1:2] + lay[3:] for lay in SMALL_LAYOUTS])
-@pytest.mark.parametrize("serial", [True])
+@pytest.mark.parametrize("serial", [True, False])
 def test_fused_matches_reference(num_tokens: int, num_experts: int, num_topk: int, hidden: int, intermediate: int,
                                  serial: bool) -> None:
     from megamoe import fused

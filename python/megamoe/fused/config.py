@@ -41,7 +41,7 @@ class FusedConfig:
     n_major_l2: bool
     clamp: bool = False
     fast_math: bool = True
-    serial: bool = True
+    serial: bool = False
     pull_stages: int = DEFAULT_PULL_STAGES
     num_stages: int = 0
 
@@ -124,7 +124,7 @@ class FusedConfig:
 
 
 def config_for(layout: SymmLayout, *, expected_tokens_per_expert: float | None = None, clamp: bool = False,
-               fast_math: bool = True, serial: bool = True, pull_stages: int = DEFAULT_PULL_STAGES) -> FusedConfig:
+               fast_math: bool = True, serial: bool = False, pull_stages: int = DEFAULT_PULL_STAGES) -> FusedConfig:
     """The variant every rank of `layout` picks: BLOCK_M and L2 order from the values all ranks share
     (heuristics), or from `expected_tokens_per_expert` when given (the same on every rank). The waves of experts
     are cut on the device from the received counts (`min_wave_l1_tiles` at launch)."""

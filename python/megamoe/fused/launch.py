@@ -66,7 +66,7 @@ def _variant(buf: SymmBuffer, activation_clamp: float | None, fast_math: bool,
 
 
 def prepare(buf: SymmBuffer, *, activation_clamp: float | None = None, fast_math: bool = True,
-            expected_tokens_per_expert: float | None = None, serial: bool = True) -> FusedConfig:
+            expected_tokens_per_expert: float | None = None, serial: bool = False) -> FusedConfig:
     """Compile and load the variant `run` launches with these arguments, and allocate the timeout records, so
     that `run` does no driver work or allocation before its launch (megamoe.testing.virtual_ranks)."""
     from megamoe.jit.diagnostics import timeout_records
@@ -79,7 +79,7 @@ def prepare(buf: SymmBuffer, *, activation_clamp: float | None = None, fast_math
 
 def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_tokens: int, *,
         recv_stats: torch.Tensor | None = None, activation_clamp: float | None = None, fast_math: bool = True,
-        expected_tokens_per_expert: float | None = None, serial: bool = True, num_sms: int | None = None,
+        expected_tokens_per_expert: float | None = None, serial: bool = False, num_sms: int | None = None,
         debug_hang: bool = False, timeout_s: float | None = None, task_dump: torch.Tensor | None = None,
         min_wave_l1_tiles: int | None = None, phase_times: PhaseTimes | None = None,
         stream: torch.cuda.Stream | None = None) -> FusedConfig:
