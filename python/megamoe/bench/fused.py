@@ -32,6 +32,9 @@ FUSED_SHAPE = (32, 4096, 2048, 6)  # E local, H, I, top-k
 FUSED_MAX_TOKENS = 4096
 FUSED_TOKENS = (8, 128, 1024, 4096)
 FUSED_SEEDS = (0, 1, 2)
+# The pull staging's stages per dispatch warp timed beside the default (4): 2 leaves a fifth GEMM stage at
+# BLOCK_M 128 (issue: size the pull staging from the GEMM's stage count)
+PULL_STAGE_VARIANTS = (2,)
 FUSED_MAX_Y_REL_L2 = 1e-2  # as the gpu tests (tests/test_fused_gpu.py: MAX_Y_REL_L2)
 FUSED_FORMULA = (
     "floor = FP8 weight bytes of the experts touched (3 x H x I each) / {hbm:g} TB/s; x floor = time / floor; "
@@ -163,7 +166,8 @@ def fused_kernel_configs(tokens: Sequence[int] = FUSED_TOKENS) -> list[Any]:
     layout = SymmLayout.create(1, e, FUSED_MAX_TOKENS, k, h, i)
     fused = [config_for(layout, serial=s) for s in (True, False)]
     return fused + [ExpertFfnConfig(fused[0].block_m, h, i, e, fast_math=True),
-                    DispatchCombineConfig(layout, fused[0].block_m, True)]
+                    DispatchCombineConfig(layout, fused[0].block_m, True)] + [
+        config_for(layout, serial=False, pull_stages=p) for p in PULL_STAGE_VARIANTS]
 
 
 def precompile_fused(console: Any = None) -> None:
@@ -266,6 +270,9 @@ def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUS
                 runners[f"fused, overlapped{label}"] = (
                     lambda tiles=heuristics.min_wave_l1_tiles_for(grid, fill): fused_run(y[False], l1, l2, buf, t, serial=False,
                                                                    min_wave_l1_tiles=tiles))
+            for p in PULL_STAGE_VARIANTS:
+                runners[f"fused, overlapped, {p} pull stages"] = (
+                    lambda p=p: fused_run(y[False], l1, l2, buf, t, serial=False, pull_stages=p))
             runners["fused, phase-serial"] = lambda: fused_run(y[True], l1, l2, buf, t, serial=True)
             runners["expert-FFN unit kernel, same rows (+ counter memset)"] = unit_kernel
             runners["chain: dispatch/combine unit kernel + expert-FFN unit kernel"] = chain
@@ -276,6 +283,18 @@ def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUS
             if cublas is not None:
                 runners[cublas_name] = graphed(cublas.run)
             ok = math.isfinite(err) and err <= FUSED_MAX_Y_REL_L2
+            # Every fused runner's output is the overlapped default's, bit for bit (the waves and the pull staging
+            # change the order of the work, never a result)
+            mismatched = set()
+            for name, fn in runners.items():
+                if name.startswith("fused") and name != "fused, phase-serial":
+                    reference_y = y[False].clone()
+                    y[False].fill_(float("nan"))
+                    fn()
+                    torch.cuda.synchronize()
+                    if not torch.equal(y[False].view(torch.int16), reference_y.view(torch.int16)):
+                        mismatched.add(name)
+                    y[False].copy_(reference_y)
             if cublas is None:
                 for cold in (False, True):
                     result.record(FusedMeasurement(impl=cublas_name, time_us=None, cold=cold,
@@ -283,12 +302,14 @@ def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUS
             for name, fn in runners.items():
                 for cold in (False, True):
                     note = "" if ok else f"NOT TIMED: y rel-L2 {err:.2e} > {FUSED_MAX_Y_REL_L2:g}"
+                    if name in mismatched:
+                        note = "y DIFFERS from the default overlapped call's"
                     us = None
                     if ok:
                         timed = time_queued_us(fn, warmup=warmup, iters=iters, before=flush if cold else None)
                         us = timed["median_us"]
                         if timed["host_bound"]:
-                            note = "host-bound: includes launch overhead"
+                            note = "; ".join(filter(None, (note, "host-bound: includes launch overhead")))
                     result.record(FusedMeasurement(impl=name, time_us=us, cold=cold, note=note,
                                                    x_floor=None if us is None else us / floor,
                                                    **Measurement.rates(us, flops, touched * expert_bytes)))
