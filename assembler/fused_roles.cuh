@@ -202,12 +202,32 @@ MEGAMOE_DEVICE void l2_scatter(const FusedContext<T>& ctx, const QueuedTask& tas
     if (lane == 0)
         ptx::ld_acquire<ptx::Scope::kGpu>(ctx.pool_counter(layout::kL1ArrivalCountOffset, task.pool_block_idx()));
     __syncwarp();
-    for (uint32_t i = math_thread_idx; i < num_valid_rows * kNumRowChunks; i += T::kNumMathThreads) {
-        const uint32_t row = i / kNumRowChunks, chunk = i % kNumRowChunks;
-        const uint4 meta = ptx::ld_relaxed_gpu_v4(dispatch::pool_src_metadata(ctx.sym, pool_row + row));
-        combine::store_combine_chunk(combine::combine_row(ctx.sym, meta.x, meta.y, meta.z),
-                                     task.n_block_idx() * 128 + chunk * epilogue::kChunkCols,
-                                     epilogue::l2_load_staged_chunk<T::BLOCK_M>(staging, row, chunk));
+    // Each thread's slices, kBatch steps at a time: the batch's metadata loads are issued before its first store,
+    // so a tile pays the L2 latency of the metadata once per batch, not once per step (a loop that loaded, then
+    // stored, step by step made the L2 phase at T = 4096 take 710 us for 412 GFLOP: notes/fused.md). 8 steps
+    // cover a whole tile in one batch at every BLOCK_M (batches of 2 or 4 measured more spills in the math role,
+    // ptxas 13.0).
+    constexpr uint32_t kBatch = 8;
+    static_assert(T::BLOCK_M * kNumRowChunks <= kBatch * T::kNumMathThreads, "one batch per tile");
+    const uint32_t num_slices = num_valid_rows * kNumRowChunks;
+    for (uint32_t first = math_thread_idx; first < num_slices; first += kBatch * T::kNumMathThreads) {
+        uint4 meta[kBatch];
+        #pragma unroll
+        for (uint32_t k = 0; k < kBatch; ++ k) {
+            const uint32_t i = first + k * T::kNumMathThreads;
+            if (i < num_slices)
+                meta[k] = ptx::ld_relaxed_gpu_v4(dispatch::pool_src_metadata(ctx.sym, pool_row + i / kNumRowChunks));
+        }
+        #pragma unroll
+        for (uint32_t k = 0; k < kBatch; ++ k) {
+            const uint32_t i = first + k * T::kNumMathThreads;
+            if (i < num_slices) {
+                const uint32_t row = i / kNumRowChunks, chunk = i % kNumRowChunks;
+                combine::store_combine_chunk(combine::combine_row(ctx.sym, meta[k].x, meta[k].y, meta[k].z),
+                                             task.n_block_idx() * 128 + chunk * epilogue::kChunkCols,
+                                             epilogue::l2_load_staged_chunk<T::BLOCK_M>(staging, row, chunk));
+            }
+        }
     }
     ptx::named_barrier_sync<kL2ScatteredBarrierIdx, T::kNumMathThreads>();
     // (a branch the compiler sees as warp-uniform: with `math_thread_idx < 32` the __syncwarp below sat in
