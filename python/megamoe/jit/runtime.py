@@ -198,10 +198,11 @@ def load(compiled: CompileResult, num_threads: int, cooperative: bool = True) ->
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_for(compile_fn: Callable[[Any], CompileResult], config: Any, num_threads: int) -> Kernel:
+def kernel_for(compile_fn: Callable[[Any], CompileResult], config: Any, num_threads: int,
+               cooperative: bool = True) -> Kernel:
     """The Kernel of `compile_fn(config)` (a frozen, hashable config), compiled or found in the cache once per
     process: launchers call this on every launch, so the source hashing and cache lookup stay off that path."""
-    return load(compile_fn(config), num_threads)
+    return load(compile_fn(config), num_threads, cooperative)
 
 
 def num_sms(device: torch.device | None = None) -> int:

@@ -116,7 +116,7 @@ def fill(x: torch.Tensor, x_sf: torch.Tensor, topk_idx_out: torch.Tensor, topk_w
     if num_rows == 0:
         return 0
     config = InputCastConfig(x.shape[1], topk_idx_out.shape[1], topk_idx.dtype == torch.int64)
-    kernel = runtime.load(compile_input_cast(config), NUM_THREADS, cooperative=False)
+    kernel = runtime.kernel_for(compile_input_cast, config, NUM_THREADS, cooperative=False)
     args = CastArgsStruct(hidden_states.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), x.data_ptr(),
                           x_sf.data_ptr(), topk_idx_out.data_ptr(), topk_weights_out.data_ptr(),
                           float(routed_scaling_factor), num_tokens)
