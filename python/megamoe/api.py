@@ -115,26 +115,28 @@ def validate_fused_args(y: Any, l1_weights: Any, l2_weights: Any, buf: Any, num_
 def _check_routing(buf: _buffer.SymmBuffer, num_tokens: int) -> None:
     """The routing the kernel will read: expert ids in [-1, E), valid ids distinct per token (the pool is sized
     for that), finite weights, finite positive x_sf of every token with an expert (a token whose slots are all -1
-    is never read: a caller that pads its batch leaves those rows as they are)."""
+    is never read: a caller that pads its batch leaves those rows as they are). The four conditions are reduced on
+    the device and read back in one sync; the error message is built only when one fails."""
     num_experts = buf.num_experts
     idx = buf.topk_idx[:num_tokens]
     bad = (idx < -1) | (idx >= num_experts)
-    if bool(bad.any()):
+    ordered = idx.sort(dim=1).values
+    dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    weights = buf.topk_weights[:num_tokens]
+    x_sf = buf.x_sf[:num_tokens]
+    routed = (idx >= 0).any(dim=1, keepdim=True)
+    failed = torch.stack([bad.any(), dup.any(), ~torch.isfinite(weights).all(),
+                          ~(torch.isfinite(x_sf) & (x_sf > 0) | ~routed).all()]).tolist()
+    if failed[0]:
         t, j = (int(v) for v in bad.nonzero()[0])
         raise ValueError(f"buf.topk_idx must hold expert ids in [-1, {num_experts}), got {int(idx[t, j])} at "
                          f"[{t}, {j}]")
-    if idx.shape[1] > 1:
-        ordered = idx.sort(dim=1).values
-        dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-        if bool(dup.any()):
-            t = int(dup.nonzero()[0, 0])
-            raise ValueError(f"buf.topk_idx must route a token to distinct experts, got {idx[t].tolist()} for token {t}")
-    weights = buf.topk_weights[:num_tokens]
-    if not bool(torch.isfinite(weights).all()):
+    if failed[1]:
+        t = int(dup.nonzero()[0, 0])
+        raise ValueError(f"buf.topk_idx must route a token to distinct experts, got {idx[t].tolist()} for token {t}")
+    if failed[2]:
         raise ValueError("buf.topk_weights must be finite for the first num_tokens rows")
-    x_sf = buf.x_sf[:num_tokens]
-    routed = (idx >= 0).any(dim=1, keepdim=True)
-    if not bool((torch.isfinite(x_sf) & (x_sf > 0) | ~routed).all()):
+    if failed[3]:
         raise ValueError("buf.x_sf must be finite and positive for the first num_tokens rows (those with an expert)")
 
 
