@@ -112,6 +112,7 @@ class FfnBenchCase:
 
 FFN_CASES = (
     FfnBenchCase("decode 32x24", 32, 24, 4096, 2048, FfnTarget(max_floor_ratio=1.3)),
+    FfnBenchCase("prefill 32x768", 32, 768, 4096, 2048, FfnTarget()),  # the T = 4096 per-rank load of 8 GPUs
     FfnBenchCase("prefill 32x1536", 32, 1536, 4096, 2048, FfnTarget()),
 )
 

@@ -44,8 +44,10 @@ class GemmCase:
 
 GEMM_CASES = [
     GemmCase("decode 32x24", 32, 24, 4096, 4096, "l1", 64),
+    GemmCase("prefill 32x768", 32, 768, 4096, 4096, "l1", 128),  # the T = 4096 per-rank load of 8 GPUs
     GemmCase("prefill 32x1536", 32, 1536, 4096, 4096, "l1", 128),
     GemmCase("4x8192 K7168", 4, 8192, 4096, 7168, "l1", 128),
+    GemmCase("L2 32x768 K2048", 32, 768, 4096, 2048, "l2", 128),
     GemmCase("L2 32x1536 K2048", 32, 1536, 4096, 2048, "l2", 128),
     GemmCase("L1 32x1536 K2048", 32, 1536, 4096, 2048, "l1", 128),  # the L2 row's shape in L1 mode
 ]
