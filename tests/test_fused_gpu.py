@@ -40,11 +40,11 @@ def _poison(buf) -> None:
 
 
 def _case_buffer(num_tokens: int, num_experts: int, num_topk: int, hidden: int, intermediate: int,
-                 max_tokens: int, seed: int):
+                 max_tokens: int, seed: int, small_int: bool = False):
     gen = torch.Generator().manual_seed(seed)
     device = torch.device("cuda")
     case = reference.random_case(num_tokens, hidden, intermediate, num_experts, num_topk, mask_prob=0.1,
-                                 generator=gen, device=device)
+                                 small_int=small_int, generator=gen, device=device)
     layout = SymmLayout.create(1, num_experts, max_tokens, num_topk, hidden, intermediate)
     buf = allocate(None, layout, device)
     l1_nat = tuple(t.to(device) for t in case.l1_weights[0])
@@ -200,15 +200,23 @@ def test_fused_task_order_matches_model(layout_idx: int, num_tokens: int, num_sm
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout_idx,num_tokens", [(0, 128), (1, 100)])
-def test_fused_phase_intermediates(layout_idx: int, num_tokens: int) -> None:
+@pytest.mark.parametrize("small_int", [False, True], ids=["random", "small_int"])
+def test_fused_phase_intermediates(layout_idx: int, num_tokens: int, small_int: bool) -> None:
+    """The intermediates the call leaves in the buffer against the reference's. small_int (DESIGN section 4, check
+    0): FP8 small-integer inputs with power-of-two scales make the L1 GEMM exact, so the L1 epilogue's codes may
+    differ from the reference's only where SwiGLU's ulps move a value across a rounding boundary (one step, at the
+    boundary: the expert-FFN unit kernel's check-0 bounds, tests/test_expert_ffn_gpu.py), and the combine rows are
+    held to that kernel's exact-tier output bound. Measured on the H200: no code and no SF differs at all (0 of
+    349184 and 746496 codes, fast math), the random inputs 1.1% one step off."""
     from megamoe import scheduler
     from megamoe.testing.expert_ffn_checks import CodeStats
-    from test_expert_ffn_gpu import (RANDOM_CODE_EXCESS, RANDOM_MULTI_STEP_FRACTION, RANDOM_ONE_STEP_FRACTION,
-                                     RANDOM_SF_REL_ERR)
+    from test_expert_ffn_gpu import (EXACT_OUT_REL_L2, RANDOM_CODE_EXCESS, RANDOM_MULTI_STEP_FRACTION,
+                                     RANDOM_ONE_STEP_FRACTION, RANDOM_SF_REL_ERR, check_epilogue)
 
     _, num_experts, max_tokens, num_topk, hidden, intermediate = SMALL_LAYOUTS[layout_idx]
     seed = _seed()
-    case, buf, l1, l2 = _case_buffer(num_tokens, num_experts, num_topk, hidden, intermediate, max_tokens, seed)
+    case, buf, l1, l2 = _case_buffer(num_tokens, num_experts, num_topk, hidden, intermediate, max_tokens, seed,
+                                     small_int)
     _, config = _call(case, buf, l1, l2, num_tokens)
     ref = reference.moe(case.x[0], case.x_sf[0], case.topk_idx[0], case.topk_weights[0], case.l1_weights[0],
                         case.l2_weights[0], fast_math=True, return_intermediates=True)
@@ -235,9 +243,13 @@ def test_fused_phase_intermediates(layout_idx: int, num_tokens: int) -> None:
         if count:
             got = combine[x.src[:, 2].to(buf.device), x.src[:, 1].to(buf.device)]
             err = reference.rel_l2(got.float(), x.out.float())
-            assert err <= MAX_Y_REL_L2, f"seed {seed}: expert {e} combine rows rel-L2 {err:.3e}"
+            bound = EXACT_OUT_REL_L2 if small_int else MAX_Y_REL_L2
+            assert err <= bound, f"seed {seed}: expert {e} combine rows rel-L2 {err:.3e} > {bound}"
     num_codes = sum(stats.steps)
-    print(f"seed {seed} {config.name}: {stats.summary()}")
+    print(f"seed {seed} {config.name} {'small-int' if small_int else 'random'}: {stats.summary()}")
+    if small_int:
+        check_epilogue(stats, fast_math=True)
+        return
     assert stats.excess <= RANDOM_CODE_EXCESS, stats.summary()
     assert stats.steps[1] <= RANDOM_ONE_STEP_FRACTION * num_codes, stats.summary()
     assert stats.steps[2] <= RANDOM_MULTI_STEP_FRACTION * num_codes, stats.summary()
