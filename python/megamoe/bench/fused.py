@@ -267,9 +267,9 @@ def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUS
             for fill in wave_fills:
                 label = "" if fill == heuristics.WAVE_FILL and len(wave_fills) == 1 else (
                     ", one wave" if fill == 0 else f", waves >= {fill} x grid L1 tiles")
+                tiles = heuristics.min_wave_l1_tiles_for(grid, fill)
                 runners[f"fused, overlapped{label}"] = (
-                    lambda tiles=heuristics.min_wave_l1_tiles_for(grid, fill): fused_run(y[False], l1, l2, buf, t, serial=False,
-                                                                   min_wave_l1_tiles=tiles))
+                    lambda tiles=tiles: fused_run(y[False], l1, l2, buf, t, serial=False, min_wave_l1_tiles=tiles))
             for p in PULL_STAGE_VARIANTS:
                 runners[f"fused, overlapped, {p} pull stages"] = (
                     lambda p=p: fused_run(y[False], l1, l2, buf, t, serial=False, pull_stages=p))
