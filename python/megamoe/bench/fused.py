@@ -325,8 +325,9 @@ def fused_report(results: list[FusedCaseResult]) -> tuple[dict[str, Any], Table]
     warmup = results[0].warmup if results else 0
     caption = FUSED_FORMULA.format(hbm=HBM_READ_TBPS, iters=iters, warmup=warmup)
     table = results_table(f"megamoe bench fused: E {e} H {h} I {i} top-{k}, one GPU ({torch.cuda.get_device_name()})",
-                          ["case", "experts / max rows / rows", "floor us", "y rel-L2 fused / cuBLAS, serial == overlapped",
-                           "implementation", "L2", "us", "x floor", "TFLOP/s", "note"],
+                          ["case", "experts / max rows / rows", "floor us",
+                           "y rel-L2 fused / cuBLAS, serial == overlapped", "implementation", "L2", "us", "x floor",
+                           "TFLOP/s", "note"],
                           left=["case", "implementation", "note"], caption=caption)
     for r in results:
         info = [f"{r.experts_touched} / {r.max_rows} / {r.rows}", f"{r.floor_us:.1f}",
