@@ -1,13 +1,13 @@
 // Task sequence of the fused kernel (megamoe/scheduler.py models it: `iterate_sm` walks exactly this order).
 //
 // The local experts are cut into waves of consecutive experts: a wave closes after the first expert that brings
-// its L1 tile count to at least `min_wave_l1_tiles` (a launch parameter, from the grid size: megamoe/fused/config.py),
-// the last wave takes what remains. Decided from the received counts, so the wave adapts to this call's load: a
-// decode call with a buffer sized for prefill still fills the grid (a fixed wave from the buffer's T_max left most
-// SMs idle: notes/fused.md). For each wave: every L1 tile of the wave's experts (expert-major, then m-block, then
-// n-block: pool blocks in pull order, since the pull walks the receive table in expert order), then every L2 tile
-// of the wave's experts (per expert M-major: m then n; or N-major: n then m). Every CTA reads the same table, so
-// every CTA cuts the same waves.
+// its L1 tile count to at least `min_wave_l1_tiles` (a launch parameter: megamoe/heuristics.py
+// min_wave_l1_tiles_for, by default one wave of every expert); the last wave takes what remains. Decided from the
+// received counts, so a wave adapts to this call's load (a fixed number of experts per wave from the buffer's
+// T_max left most SMs idle at decode: notes/fused.md). For each wave: every L1 tile of the wave's experts
+// (expert-major, then m-block, then n-block: pool blocks in pull order, since the pull walks the receive table in
+// expert order), then every L2 tile of the wave's experts (per expert M-major: m then n; or N-major: n then m).
+// Every CTA reads the same table, so every CTA cuts the same waves.
 // CTA s takes global task indices s, s + gridDim.x, ... (static striding across waves and phases). The per-expert
 // row counts come from the receive table in shared memory built in this launch (never __ldg of counts written in
 // this launch: DESIGN 5c).

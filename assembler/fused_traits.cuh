@@ -17,7 +17,8 @@
 namespace megamoe::assembler {
 
 // kSerial (debug, phase-serial): the TMA-A warp waits until every pool block has arrived before its first tile.
-template <uint32_t BLOCK_M_, uint32_t kNumStages_, uint32_t kPullStages_, bool kNMajorL2_, bool kClamp_, bool kFastMath_, bool kSerial_>
+template <uint32_t BLOCK_M_, uint32_t kNumStages_, uint32_t kPullStages_, bool kNMajorL2_, bool kClamp_,
+          bool kFastMath_, bool kSerial_>
 struct FusedTraits {
     static constexpr uint32_t BLOCK_M = BLOCK_M_;
     static constexpr uint32_t kNumStages = kNumStages_;

@@ -148,7 +148,8 @@ def fused(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tensor],
     """Run the MoE layer for this rank's first `num_tokens` tokens in `buf` into `y` (collective over buf.group:
     every rank calls it, with the same `expected_tokens_per_expert` and `num_sms`). Weights come from
     `transform_weights`. `check_inputs=False` skips the routing checks that read device memory (a device sync);
-    the default skips them only while the current stream is capturing a CUDA graph. `num_sms`: the grid size (default: every SM). The launch is cooperative: a full grid starts
+    the default skips them only while the current stream is capturing a CUDA graph. `num_sms`: the grid size
+    (default: every SM). The launch is cooperative: a full grid starts
     only once every other kernel on the GPU has drained; with fewer SMs it runs beside them.
     """
     if check_inputs is None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from megamoe import reference
+
 __all__ = ["PROJECTIONS", "SafetensorsFiles", "expert_tensor_names", "load_deepseek_experts"]
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -53,14 +55,7 @@ class SafetensorsFiles(Mapping):
 def _get(tensors: Mapping[str, Any], name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if name not in tensors:
         raise KeyError(f"checkpoint has no tensor {name!r}")
-    t = tensors[name]
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    return t
+    return reference._check_tensor(name, tensors[name], dtype, shape)
 
 
 def load_deepseek_experts(tensors: Mapping[str, Any], prefix: str, expert_ids: Sequence[int], hidden: int,

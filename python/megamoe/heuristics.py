@@ -7,9 +7,9 @@ tokens and must run the same kernel variant (DESIGN section 5).
 What uses it today: BLOCK_M (SymmBuffer.config(): the dispatch/combine unit kernel's pool padding by default, the
 `megamoe bench comm` launches; the expert FFN bench's bucket; `megamoe demo`); the wave rule (`min_wave_l1_tiles`)
 and the L2 order are the fused kernel's and the scheduler model's parameters (megamoe.scheduler). Waves are cut on
-the device from the received counts (assembler/fused_scheduler.cuh), so only their fill target comes from here. Each kernel that exists plans its own shared memory with its
-config (kernels/gemm.py GemmConfig, kernels/expert_ffn.py ExpertFfnConfig, kernels/dispatch_combine.py
-DispatchCombineConfig); the fused kernel's plan comes with that kernel.
+the device from the received counts (assembler/fused_scheduler.cuh), so only their fill target comes from here.
+Each kernel plans its own shared memory with its config (kernels/gemm.py GemmConfig, kernels/expert_ffn.py
+ExpertFfnConfig, kernels/dispatch_combine.py DispatchCombineConfig, fused/config.py FusedConfig).
 """
 from __future__ import annotations
 

@@ -54,6 +54,7 @@ class RoutedCublas:
                  natural: tuple, num_experts: int, *, out_dtype: torch.dtype,
                  scaled_mm: Any = None) -> None:
         from megamoe.bench.ffn import FfnBenchInputs, UnfusedCublas
+        from megamoe.layout import ceil_div
 
         t, h = x.shape
         dev = x.device
@@ -61,7 +62,7 @@ class RoutedCublas:
         tokens = torch.arange(t, device=dev).unsqueeze(1).expand_as(topk_idx)[valid]
         experts, weights = topk_idx[valid].long(), topk_weights[valid]
         counts = torch.bincount(experts, minlength=num_experts)
-        rows = max(16, -(-int(counts.max()) // 16) * 16) if experts.numel() else 16
+        rows = max(16, ceil_div(int(counts.max()), 16) * 16) if experts.numel() else 16
         order = torch.argsort(experts, stable=True)
         starts = torch.cumsum(counts, 0) - counts
         slot_in_expert = torch.arange(order.numel(), device=dev) - starts[experts[order]]

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megamoe.fused.config import BLOCK_K, BLOCK_N, L1_OUTPUT_COLS, FusedConfig, config_for
+from megamoe.fused.config import BLOCK_K, BLOCK_N, DEFAULT_PULL_STAGES, L1_OUTPUT_COLS, FusedConfig, config_for
 from megamoe.fused.source import compile_fused
 from megamoe import heuristics
 from megamoe.heuristics import NUM_THREADS
@@ -57,12 +57,12 @@ def tensor_maps(config: FusedConfig, buf: SymmBuffer, l1: WeightPair, l2: Weight
 
 
 def _variant(buf: SymmBuffer, activation_clamp: float | None, fast_math: bool,
-             expected_tokens_per_expert: float | None, serial: bool, pull_stages: int | None = None):
+             expected_tokens_per_expert: float | None, serial: bool, pull_stages: int = DEFAULT_PULL_STAGES):
     from megamoe.jit import runtime
 
-    extra = {} if pull_stages is None else {"pull_stages": pull_stages}
     config = config_for(buf.layout, expected_tokens_per_expert=expected_tokens_per_expert,
-                        clamp=activation_clamp is not None, fast_math=fast_math, serial=serial, **extra)
+                        clamp=activation_clamp is not None, fast_math=fast_math, serial=serial,
+                        pull_stages=pull_stages)
     return config, runtime.kernel_for(compile_fused, config, NUM_THREADS)
 
 
@@ -83,14 +83,14 @@ def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_to
         expected_tokens_per_expert: float | None = None, serial: bool = False, num_sms: int | None = None,
         debug_hang: bool = False, timeout_s: float | None = None, task_dump: torch.Tensor | None = None,
         min_wave_l1_tiles: int | None = None, phase_times: PhaseTimes | None = None,
-        pull_stages: int | None = None, stream: torch.cuda.Stream | None = None) -> FusedConfig:
+        pull_stages: int = DEFAULT_PULL_STAGES, stream: torch.cuda.Stream | None = None) -> FusedConfig:
     """Launch the fused kernel for this rank's first `num_tokens` tokens in `buf` (arguments already validated:
     megamoe.api.validate_fused_args). Collective over buf.group: every rank launches the same variant.
     task_dump (debug): int32 [grid, 1 + 4 capacity], filled with each CTA's task list (`dumped_tasks` reads it).
     min_wave_l1_tiles: the waves' fill target (default heuristics.min_wave_l1_tiles_for(grid)).
     phase_times (profiling): a jit.diagnostics.PhaseTimes(PHASES, device), filled with the phases' marks.
-    pull_stages (tuning): the pull staging's stages per dispatch warp (default DEFAULT_PULL_STAGES; fewer leave
-    more shared memory to the GEMM ring)."""
+    pull_stages (tuning): the pull staging's stages per dispatch warp (fewer leave more shared memory to the GEMM
+    ring)."""
     from megamoe.jit import runtime
     from megamoe.jit.diagnostics import timeout_records
     from megamoe.kernels.dispatch_combine import sym_buffer_struct

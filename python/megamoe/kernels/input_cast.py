@@ -1,7 +1,7 @@
 """The fused layer's input fill (components/input/cast.cuh): BF16 hidden states -> FP8 e4m3 + per-128 float SF
 (bit-identical to megamoe.quant.per_token_cast_to_fp8 on finite inputs) into the symmetric buffer's x / x_sf, and
-the routing (int32 or int64 ids, float32 weights times a scaling factor) into its topk_idx / topk_weights; rows
-past the tokens up to `num_rows` get the routing of no token (-1, 0). One launch, one CTA per row. Capturable in a
+the routing (int32 or int64 ids, float32 weights times a scaling factor) into its topk_idx / topk_weights; with
+`clear_rows`, the regions' rows past the tokens get the routing of no token (-1, 0). One launch, one CTA per row. Capturable in a
 CUDA graph (no host work beyond the launch)."""
 from __future__ import annotations
 
