@@ -11,6 +11,7 @@
 #include "common/sync.cuh"
 #include "fused_scheduler.cuh"
 #include "fused_traits.cuh"
+#include "l2_handoff.cuh"
 #include "task_queue.cuh"
 #include "gemm/consumer.cuh"
 #include "gemm/producer.cuh"
@@ -20,8 +21,8 @@ namespace megamoe::assembler {
 // Named barriers among the math threads (0 is __syncthreads)
 constexpr uint32_t kL1StoreBarrierIdx = 1;      // L1 staging written -> one thread issues the TMA stores
 constexpr uint32_t kStagingFreeBarrierIdx = 2;  // every reader of the shared staging area is done with it
-constexpr uint32_t kL2StagedBarrierIdx = 3;     // L2 staging written -> rows scattered
-constexpr uint32_t kL2ScatteredBarrierIdx = 4;  // every math thread's combine stores of the tile are issued
+constexpr uint32_t kL2StagedBarrierIdx = 3;     // L2 tile staged -> the scatter warp (l2_handoff.cuh)
+constexpr uint32_t kL2FreeBarrierIdx = 4;       // the scatter warp read the L2 staging -> math threads
 
 // The receive table's per-expert row counts, as the scheduler reads them: stateless (the table sits at a fixed
 // offset of the dynamic shared memory), so the scheduler carries no pointer through the math warps' mainloop.
@@ -55,6 +56,7 @@ struct FusedContext {
     dispatch::RecvTable table;
     TableCounts<T::kOffsetRecvTable> counts;
     typename T::Tasks tasks;
+    L2Handoff<T::kNumMathThreads, kL2StagedBarrierIdx, kL2FreeBarrierIdx> handoff;
 
     MEGAMOE_DEVICE FusedContext(const FusedMaps& maps_, const SymBuffer& sym_, const FusedParams& p_,
                                 const DeviceEnv& env_, uint8_t* smem_)
@@ -64,7 +66,7 @@ struct FusedContext {
           expert_count(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetExpertCount)),
           misc(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetMisc)),
           table(dispatch::make_recv_table(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetRecvTable))),
-          counts{}, tasks{smem_ + T::kOffsetTaskQueue} {}
+          counts{}, tasks{smem_ + T::kOffsetTaskQueue}, handoff{smem_ + T::kOffsetL2Handoff} {}
 
     // After the head: this CTA's index and the grid size, from shared memory (utils.cuh: ld_volatile_shared)
     MEGAMOE_DEVICE uint32_t cta_idx() const { return ld_volatile_shared(misc + 1); }
@@ -74,17 +76,6 @@ struct FusedContext {
         return sym.local<uint32_t>(region_offset) + pool_block;
     }
 };
-
-// Dispatch warps: pull this CTA's share of the received rows (global pulling warp cta * 2 + warp).
-template <typename T>
-MEGAMOE_DEVICE void dispatch_role(const FusedContext<T>& ctx, uint32_t warp) {
-    dispatch::pull_rows_pipelined<T::BLOCK_M, T::kPullStages, false>(
-        tiered_env(ctx.env, kTierPeer, kRoleDispatch), ctx.sym, ctx.table,
-        ctx.smem + T::kOffsetPull + warp * T::kPullStages * dispatch::kPullStageBytes,
-        ctx.pull_barriers + warp * T::kPullStages, ctx.cta_idx() * kNumDispatchWarps + warp,
-        ctx.num_ctas() * kNumDispatchWarps);
-    PhaseTimer{ctx.p.phase_times}.mark(kMarkPull, lane_idx());
-}
 
 // Wait until `counter` reaches `target`, then let the async proxy read what it publishes.
 // NOTES: the ld.acquire.gpu pairs with the writers' red.release.gpu (the pull's release of each row, issued after
@@ -184,68 +175,106 @@ MEGAMOE_DEVICE void tma_b_role(const FusedContext<T>& ctx) {
     }
 }
 
-// L2 epilogue, second half: the staged BF16 rows' 256 B slices go to their source ranks' combine rows; the tile
-// is counted for its pool block, and the tile that completes the block signals each of its rows once.
-// NOTES: pool_src_metadata was written by the pull in this launch: each warp's lane 0 acquires the block's
-// arrival count (complete long before: the block's L1 tiles needed it) and __syncwarp extends the order to the
-// other lanes, whose ld.relaxed.gpu then see the metadata (never __ldg). The kL2ScatteredBarrierIdx barrier
-// orders every math thread's combine stores before thread 0's acq_rel add; the add that completes the block
-// acquires every earlier tile's release (the release sequence of the adds), and __syncwarp orders that before
-// the lanes' red.release.sys signals, which carry all the block's rows (cumulativity) to the source rank's
-// ld.acquire.sys in the reduce (combine/reduce.cuh: reduce_token_chunks).
+// The scatter warp, one staged L2 tile: each valid row's 256 B slice goes to its source rank's combine row. Lane l
+// computes the destinations of rows l, l + 32, ... (their metadata loads issued together, one latency per tile);
+// each step covers two rows, 16 lanes of 16 B per row, the destination shuffled from the row's lane.
+// NOTES: pool_src_metadata was written by the pull in this launch: lane 0 acquires the block's arrival count
+// (complete long before: the block's L1 tiles needed it) and __syncwarp extends the order to the other lanes,
+// whose ld.relaxed.gpu then see the metadata (never __ldg).
 template <typename T>
-MEGAMOE_DEVICE void l2_scatter(const FusedContext<T>& ctx, const QueuedTask& task, const uint8_t* staging,
-                               uint32_t math_thread_idx) {
+MEGAMOE_DEVICE void scatter_tile(const FusedContext<T>& ctx, const QueuedTask& task, const uint8_t* staging,
+                                 uint32_t lane) {
     constexpr uint32_t kNumRowChunks = T::L2Staging::kNumRowChunks;
-    const uint32_t lane = lane_idx(), pool_row = task.pool_block_idx() * T::BLOCK_M;
-    const uint32_t num_valid_rows = task.num_valid_rows();
+    constexpr uint32_t kNumRowGroups = T::BLOCK_M / 32;
+    static_assert(kNumRowChunks == 16 and T::BLOCK_M % 32 == 0, "two rows of 16 chunks per warp step");
+    const uint32_t pool_row = task.pool_block_idx() * T::BLOCK_M, num_valid_rows = task.num_valid_rows();
+    const uint32_t chunk = lane % kNumRowChunks;
     if (lane == 0)
         ptx::ld_acquire<ptx::Scope::kGpu>(ctx.pool_counter(layout::kL1ArrivalCountOffset, task.pool_block_idx()));
     __syncwarp();
-    // Each thread's slices, kBatch steps at a time: the batch's metadata loads are issued before its first store,
-    // so a tile pays the L2 latency of the metadata once per batch, not once per step (a loop that loaded, then
-    // stored, step by step made the L2 phase at T = 4096 take 710 us for 412 GFLOP: notes/fused.md). 8 steps
-    // cover a whole tile in one batch at every BLOCK_M (batches of 2 or 4 measured more spills in the math role,
-    // ptxas 13.0).
-    constexpr uint32_t kBatch = 8;
-    static_assert(T::BLOCK_M * kNumRowChunks <= kBatch * T::kNumMathThreads, "one batch per tile");
-    const uint32_t num_slices = num_valid_rows * kNumRowChunks;
-    for (uint32_t first = math_thread_idx; first < num_slices; first += kBatch * T::kNumMathThreads) {
-        uint4 meta[kBatch];
-        #pragma unroll
-        for (uint32_t k = 0; k < kBatch; ++ k) {
-            const uint32_t i = first + k * T::kNumMathThreads;
-            if (i < num_slices)
-                meta[k] = ptx::ld_relaxed_gpu_v4(dispatch::pool_src_metadata(ctx.sym, pool_row + i / kNumRowChunks));
-        }
-        #pragma unroll
-        for (uint32_t k = 0; k < kBatch; ++ k) {
-            const uint32_t i = first + k * T::kNumMathThreads;
-            if (i < num_slices) {
-                const uint32_t row = i / kNumRowChunks, chunk = i % kNumRowChunks;
-                combine::store_combine_chunk(combine::combine_row(ctx.sym, meta[k].x, meta[k].y, meta[k].z),
-                                             task.n_block_idx() * 128 + chunk * epilogue::kChunkCols,
+    uint4 meta[kNumRowGroups];
+    #pragma unroll
+    for (uint32_t g = 0; g < kNumRowGroups; ++ g) {
+        if (32 * g + lane < num_valid_rows)
+            meta[g] = ptx::ld_relaxed_gpu_v4(dispatch::pool_src_metadata(ctx.sym, pool_row + 32 * g + lane));
+    }
+    #pragma unroll
+    for (uint32_t g = 0; g < kNumRowGroups; ++ g) {
+        if (32 * g >= num_valid_rows)
+            break;
+        // (the tile's 128 columns of row 32 g + lane's combine row)
+        const uint64_t dst = 32 * g + lane < num_valid_rows
+            ? reinterpret_cast<uint64_t>(combine::combine_row(ctx.sym, meta[g].x, meta[g].y, meta[g].z) +
+                                         task.n_block_idx() * 128)
+            : 0;
+        #pragma unroll 4
+        for (uint32_t step = 0; step < 16; ++ step) {
+            const uint32_t row_in_group = 2 * step + lane / kNumRowChunks, row = 32 * g + row_in_group;
+            const uint64_t row_dst = __shfl_sync(0xffffffffu, dst, row_in_group);
+            if (row < num_valid_rows)
+                combine::store_combine_chunk(reinterpret_cast<__nv_bfloat16*>(row_dst), chunk * epilogue::kChunkCols,
                                              epilogue::l2_load_staged_chunk<T::BLOCK_M>(staging, row, chunk));
-            }
         }
     }
-    ptx::named_barrier_sync<kL2ScatteredBarrierIdx, T::kNumMathThreads>();
-    // (a branch the compiler sees as warp-uniform: with `math_thread_idx < 32` the __syncwarp below sat in
-    // divergent-looking code, and the math role alone spilled 134 B)
-    if (warp_idx() == kFirstMathThread / 32) {
-        uint32_t done = 0;
-        if (lane == 0)
-            done = ptx::atom_add_acq_rel<ptx::Scope::kGpu>(
-                       ctx.pool_counter(layout::kL2DoneCountOffset, task.pool_block_idx()), 1u) + 1u;
-        done = __shfl_sync(0xffffffffu, done, 0);
-        if (done == T::kNumL2NBlocks) {
-            __syncwarp();
-            for (uint32_t row = lane; row < num_valid_rows; row += 32) {
-                const uint4 meta = ptx::ld_relaxed_gpu_v4(dispatch::pool_src_metadata(ctx.sym, pool_row + row));
-                ptx::red_add_release<ptx::Scope::kSys>(combine::combine_arrival_count(ctx.sym, meta.x, meta.y), 1u);
-            }
+}
+
+// The scatter warp, after its tile's combine stores: count the tile for its pool block; the tile that completes
+// the block signals each of its rows once.
+// NOTES: __syncwarp orders every lane's combine stores before lane 0's acq_rel add (the reduce reads the rows with
+// generic loads: no proxy fence, combine/reduce.cuh: reduce_token_chunks); the add that
+// completes the block acquires every earlier tile's release (the release sequence of the adds), and __syncwarp
+// orders that before the lanes' red.release.sys signals, which carry all the block's rows (cumulativity) to the
+// source rank's ld.acquire.sys in the reduce (combine/reduce.cuh: reduce_token_chunks).
+template <typename T>
+MEGAMOE_DEVICE void count_tile(const FusedContext<T>& ctx, const QueuedTask& task, uint32_t lane) {
+    __syncwarp();
+    uint32_t done = 0;
+    if (lane == 0)
+        done = ptx::atom_add_acq_rel<ptx::Scope::kGpu>(
+                   ctx.pool_counter(layout::kL2DoneCountOffset, task.pool_block_idx()), 1u) + 1u;
+    done = __shfl_sync(0xffffffffu, done, 0);
+    if (done == T::kNumL2NBlocks) {
+        __syncwarp();
+        const uint32_t pool_row = task.pool_block_idx() * T::BLOCK_M;
+        for (uint32_t row = lane; row < task.num_valid_rows(); row += 32) {
+            const uint4 meta = ptx::ld_relaxed_gpu_v4(dispatch::pool_src_metadata(ctx.sym, pool_row + row));
+            ptx::red_add_release<ptx::Scope::kSys>(combine::combine_arrival_count(ctx.sym, meta.x, meta.y), 1u);
         }
     }
+}
+
+// The scatter warp (dispatch warp 0 once its pulls are done): every L2 tile the math warpgroups hand off
+// (l2_handoff.cuh), in order, until the end marker.
+// NOTES: no deadlock: this warp waits only for the math warps of its CTA, which publish every tile and the end
+// marker before any wait of their reduce; the reduce's waits for this warp's signals then wait for nothing that
+// waits for them. The pull came first, so no pull waits for an L2 tile either (5c).
+template <typename T>
+MEGAMOE_DEVICE void scatter_role(const FusedContext<T>& ctx) {
+    const uint32_t lane = lane_idx();
+    const uint8_t* staging = ctx.smem + T::kOffsetStaging;
+    while (true) {
+        const QueuedTask task{ctx.handoff.take()};
+        if (not task.valid())
+            break;
+        scatter_tile<T>(ctx, task, staging, lane);
+        __syncwarp();
+        ctx.handoff.release();
+        count_tile<T>(ctx, task, lane);
+    }
+}
+
+// Dispatch warps: pull this CTA's share of the received rows (global pulling warp cta * 2 + warp); then warp 0
+// scatters the L2 tiles.
+template <typename T>
+MEGAMOE_DEVICE void dispatch_role(const FusedContext<T>& ctx, uint32_t warp) {
+    dispatch::pull_rows_pipelined<T::BLOCK_M, T::kPullStages, false>(
+        tiered_env(ctx.env, kTierPeer, kRoleDispatch), ctx.sym, ctx.table,
+        ctx.smem + T::kOffsetPull + warp * T::kPullStages * dispatch::kPullStageBytes,
+        ctx.pull_barriers + warp * T::kPullStages, ctx.cta_idx() * kNumDispatchWarps + warp,
+        ctx.num_ctas() * kNumDispatchWarps);
+    PhaseTimer{ctx.p.phase_times}.mark(kMarkPull, lane_idx());
+    if (warp == 0)
+        scatter_role<T>(ctx);
 }
 
 // The top-k reduce of this rank's tokens: the 8 warps of both math warpgroups of every CTA.
@@ -280,7 +309,13 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
         ctx.sym.template local<float>(layout::kL2ActsSfOffset),
         ctx.sym.template local<uint32_t>(layout::kL1DoneCountOffset), layout::kNumPoolTokens, ctx.p.clamp};
     epilogue::L1EpilogueState l1_state;
+    // Whether the staging area holds an L2 tile the scatter warp may still read (l2_handoff.cuh)
     bool staging_held_by_l2 = false;
+    const auto reclaim_staging = [&]() {
+        if (staging_held_by_l2)
+            ctx.handoff.wait_free();
+        staging_held_by_l2 = false;
+    };
 
     // A task's weight SFs (gemm::WeightScales), loaded before the previous task's epilogue to hide the latency
     const auto load_weight_scales = [&](const QueuedTask& t) {
@@ -320,10 +355,9 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
             gemm::consume_tile<L1>(ctx.pipeline, state, ctx.smem_l1, weight_scales, math_wg_idx, thread_in_wg, acc,
                                    tiered_env(ctx.env, kTierPipeline, kRoleMath));
             locate_next();
-            // The L1 buffers alias the L2 staging: wait for its readers
-            if (staging_held_by_l2)
-                ptx::named_barrier_sync<kStagingFreeBarrierIdx, kNumMathThreads>();
-            staging_held_by_l2 = false;
+            // The L1 buffers alias the L2 staging: wait for its reader (the L1 epilogue's own stores are waited
+            // for by their thread before the epilogue's barrier)
+            reclaim_staging();
             const QueuedTask task = current();
             const epilogue::EpilogueTile out_tile{task.pool_block_idx() * T::BLOCK_M, task.n_block_idx(),
                                                   task.num_valid_rows()};
@@ -337,20 +371,26 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
                                    tiered_env(ctx.env, kTierPipeline, kRoleMath));
             locate_next();
 
-            // Stage as BF16 rows once every earlier reader of the staging area is done (the L1 stores were
-            // waited for above, by the thread that issued them, before it reached this barrier)
-            ptx::named_barrier_sync<kStagingFreeBarrierIdx, kNumMathThreads>();
+            // Stage as BF16 rows once every earlier reader of the staging area is done: the scatter warp (the last
+            // L2 tile), or the L1 stores, waited for above by the thread that issued them before it reached this
+            // barrier. Then hand the tile to the scatter warp.
+            if (staging_held_by_l2)
+                reclaim_staging();
+            else
+                ptx::named_barrier_sync<kStagingFreeBarrierIdx, kNumMathThreads>();
             if (frag.warp_row() < T::BLOCK_M)
                 epilogue::l2_stage_bf16<T::BLOCK_M>(acc, frag, staging);
-            ptx::named_barrier_sync<kL2StagedBarrierIdx, kNumMathThreads>();
-            l2_scatter<T>(ctx, current(), staging, math_thread_idx);
+            ctx.handoff.publish(is_store_thread, current().words);
             staging_held_by_l2 = true;
         }
         ctx.tasks.release(slot.stage);
     }
-    // The last L1 stores complete and are published before any wait of the reduce
+    // The last L1 stores complete and are published, and the scatter warp is told the tiles' end (once it has read
+    // the last L2 tile: the mailbox is reused), before any wait of the reduce
     if (is_store_thread)
         l1_state.publish_pending();
+    reclaim_staging();
+    ctx.handoff.publish(is_store_thread, make_uint4(kEndOfTasks, 0, 0, 0));
     reduce_tokens<T>(ctx, math_wg_idx);
 }
 
