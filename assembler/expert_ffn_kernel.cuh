@@ -211,7 +211,7 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
             } else {
                 // Publish the last L1 tile before waiting for any L2 input (this CTA's L2 producer may need it)
                 if (is_store_thread)
-                    l1_state.publish_pending();
+                    l1_state.publish_pending(l1_args.done_counts);
                 gemm::consume_tile<L2, false, false, T::kPrefetch>(pipeline, state, smem_l2, weight_scales,
                                                                    math_wg_idx, thread_in_wg, acc, env);
                 has_task = locate_next(next_task);
@@ -231,7 +231,7 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
         }
         // The last L1 stores complete before the kernel ends
         if (is_store_thread)
-            l1_state.publish_pending();
+            l1_state.publish_pending(l1_args.done_counts);
     };
     run_warp_roles<L1::kNumMathWarpgroups, SpareWarpgroup::kReleaseRegisters>(
         NoRole{}, [&]() { produce(true); }, [&]() { produce(false); }, math, NoRole{});

@@ -5,11 +5,11 @@
 //     dispatch warps      pull the received rows into the pool (row, SF, weight, metadata; arrival counts)
 //     TMA-A warp          per task: wait for the pool block (L1: its arrival count; L2: its L1 completions)
 //     TMA-B warp          per task: the weight tiles
-//     math warpgroups     L1 tiles + L1 epilogue (publish), L2 tiles + L2 epilogue (BF16 rows
-//                         staged and handed to dispatch warp 0), then the top-k reduce of this rank's tokens (a
-//                         spare warpgroup reduces only)
-//     dispatch warp 0     then scatters each handed-off L2 tile: 256 B slices to the source ranks' combine rows,
-//                         the block's tile count, the completing tile's row signals
+//     math warpgroups     L1 tiles + L1 epilogue (publish), L2 tiles + L2 epilogue (BF16 rows staged for the
+//                         scatter warp), then the top-k reduce of this rank's tokens (a spare warpgroup reduces
+//                         only)
+//     dispatch warp 0     after its pulls, the scatter warp (l2_handoff.cuh): each L2 tile's 256 B slices to the
+//                         source ranks' combine rows, the pool block's tile count, the completing tile's signals
 //   tail (every thread)   NVLink barrier "combine" with the workspace clean
 //
 // Task order and the deadlock-freedom argument: fused_scheduler.cuh. Every wait reports through the host-mapped

@@ -20,9 +20,9 @@ namespace megamoe::assembler {
 
 // Named barriers among the math threads (0 is __syncthreads)
 constexpr uint32_t kL1StoreBarrierIdx = 1;      // L1 staging written -> one thread issues the TMA stores
-constexpr uint32_t kStagingFreeBarrierIdx = 2;  // every reader of the shared staging area is done with it
+constexpr uint32_t kStagingFreeBarrierIdx = 2;  // the L1 stores' reads of the staging area are done
 constexpr uint32_t kL2StagedBarrierIdx = 3;     // L2 tile staged -> the scatter warp (l2_handoff.cuh)
-constexpr uint32_t kL2FreeBarrierIdx = 4;       // the scatter warp read the L2 staging -> math threads
+constexpr uint32_t kL2FreeBarrierIdx = 4;       // the scatter warp read the L2 tile -> the math threads
 
 // The receive table's per-expert row counts, as the scheduler reads them: stateless (the table sits at a fixed
 // offset of the dynamic shared memory), so the scheduler carries no pointer through the math warps' mainloop.
@@ -56,7 +56,7 @@ struct FusedContext {
     dispatch::RecvTable table;
     TableCounts<T::kOffsetRecvTable> counts;
     typename T::Tasks tasks;
-    L2Handoff<T::kNumMathThreads, kL2StagedBarrierIdx, kL2FreeBarrierIdx> handoff;
+    using Handoff = L2Handoff<T::kNumMathThreads, kL2StagedBarrierIdx, kL2FreeBarrierIdx>;
 
     MEGAMOE_DEVICE FusedContext(const FusedMaps& maps_, const SymBuffer& sym_, const FusedParams& p_,
                                 const DeviceEnv& env_, uint8_t* smem_)
@@ -66,7 +66,7 @@ struct FusedContext {
           expert_count(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetExpertCount)),
           misc(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetMisc)),
           table(dispatch::make_recv_table(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetRecvTable))),
-          counts{}, tasks{smem_ + T::kOffsetTaskQueue}, handoff{smem_ + T::kOffsetL2Handoff} {}
+          counts{}, tasks{smem_ + T::kOffsetTaskQueue} {}
 
     // After the head: this CTA's index and the grid size, from shared memory (utils.cuh: ld_volatile_shared)
     MEGAMOE_DEVICE uint32_t cta_idx() const { return ld_volatile_shared(misc + 1); }
@@ -243,22 +243,26 @@ MEGAMOE_DEVICE void count_tile(const FusedContext<T>& ctx, const QueuedTask& tas
     }
 }
 
-// The scatter warp (dispatch warp 0 once its pulls are done): every L2 tile the math warpgroups hand off
-// (l2_handoff.cuh), in order, until the end marker.
-// NOTES: no deadlock: this warp waits only for the math warps of its CTA, which publish every tile and the end
-// marker before any wait of their reduce; the reduce's waits for this warp's signals then wait for nothing that
-// waits for them. The pull came first, so no pull waits for an L2 tile either (5c).
+// The scatter warp (dispatch warp 0 once its pulls are done): every L2 tile of this CTA's task list, in order, as
+// the math warpgroups stage it (l2_handoff.cuh). Every lane walks the same list as the TMA-A warp.
+// NOTES: no deadlock: this warp waits only for the math warps of its CTA, which stage every L2 tile of the list
+// before any wait of their reduce; the reduce's waits for this warp's signals then wait for nothing that waits for
+// them. The pull came first, so no pull waits for an L2 tile either (5c).
 template <typename T>
 MEGAMOE_DEVICE void scatter_role(const FusedContext<T>& ctx) {
+    using Handoff = typename FusedContext<T>::Handoff;
     const uint32_t lane = lane_idx();
     const uint8_t* staging = ctx.smem + T::kOffsetStaging;
-    while (true) {
-        const QueuedTask task{ctx.handoff.take()};
-        if (not task.valid())
-            break;
+    FusedSchedulerOf<T> scheduler(ctx.counts, ctx.cta_idx(), ctx.num_ctas(), ctx.p.min_wave_l1_tiles);
+    FusedTask next;
+    while (scheduler.next(next)) {
+        if (next.phase != FusedPhase::kL2)
+            continue;
+        const QueuedTask task{pack_task(next)};
+        Handoff::wait_staged();
         scatter_tile<T>(ctx, task, staging, lane);
         __syncwarp();
-        ctx.handoff.release();
+        Handoff::release();
         count_tile<T>(ctx, task, lane);
     }
 }
@@ -304,18 +308,15 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
     const bool is_store_thread = math_thread_idx == 0;
     const AccFragment frag = AccFragment::of(math_wg_idx, thread_in_wg);
     uint8_t* staging = ctx.smem + T::kOffsetStaging;
-    const epilogue::L1EpilogueArgs l1_args{
-        ctx.maps.act_store, dispatch::pool_topk_weight(ctx.sym, 0),
-        ctx.sym.template local<float>(layout::kL2ActsSfOffset),
-        ctx.sym.template local<uint32_t>(layout::kL1DoneCountOffset), layout::kNumPoolTokens, ctx.p.clamp};
     epilogue::L1EpilogueState l1_state;
+    using Handoff = typename FusedContext<T>::Handoff;
     // Whether the staging area holds an L2 tile the scatter warp may still read (l2_handoff.cuh)
     bool staging_held_by_l2 = false;
-    const auto reclaim_staging = [&]() {
-        if (staging_held_by_l2)
-            ctx.handoff.wait_free();
-        staging_held_by_l2 = false;
-    };
+    // The GEMM consumer without its in-flight wait for the next K block's stage (gemm/consumer.cuh: kPrefetch):
+    // the state that wait keeps live across the WGMMAs (the next stage, its scales, the waited time) spilled in
+    // the promotion here (90-106 spill instructions in the math region, 0 without), and the kernel ran 1.1-1.2x
+    // slower with it at every T (notes/fused.md)
+    constexpr bool kPrefetch = false;
 
     // A task's weight SFs (gemm::WeightScales), loaded before the previous task's epilogue to hide the latency
     const auto load_weight_scales = [&](const QueuedTask& t) {
@@ -352,13 +353,21 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
             acc[i] = 0.0f;
 
         if (current().phase() == FusedPhase::kL1) {
-            gemm::consume_tile<L1>(ctx.pipeline, state, ctx.smem_l1, weight_scales, math_wg_idx, thread_in_wg, acc,
-                                   tiered_env(ctx.env, kTierPipeline, kRoleMath));
+            gemm::consume_tile<L1, false, false, kPrefetch>(ctx.pipeline, state, ctx.smem_l1, weight_scales,
+                                                           math_wg_idx, thread_in_wg, acc,
+                                                           tiered_env(ctx.env, kTierPipeline, kRoleMath));
             locate_next();
-            // The L1 buffers alias the L2 staging: wait for its reader (the L1 epilogue's own stores are waited
-            // for by their thread before the epilogue's barrier)
-            reclaim_staging();
+            // The L1 buffers alias the L2 staging: wait for its reader, the scatter warp (the L1 epilogue's own
+            // stores are waited for by their thread before the epilogue's barrier)
+            if (staging_held_by_l2)
+                Handoff::wait_free();
+            staging_held_by_l2 = false;
             const QueuedTask task = current();
+            // (built here from kernel constants: held across the mainloop, its pointers cost registers there)
+            const epilogue::L1EpilogueArgs l1_args{
+                ctx.maps.act_store, dispatch::pool_topk_weight(ctx.sym, 0),
+                ctx.sym.template local<float>(layout::kL2ActsSfOffset),
+                ctx.sym.template local<uint32_t>(layout::kL1DoneCountOffset), layout::kNumPoolTokens, ctx.p.clamp};
             const epilogue::EpilogueTile out_tile{task.pool_block_idx() * T::BLOCK_M, task.n_block_idx(),
                                                   task.num_valid_rows()};
             epilogue::l1_epilogue<T::BLOCK_M, kNumMathThreads, kL1StoreBarrierIdx, T::kClamp, T::kFastMath>(
@@ -366,31 +375,32 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
         } else {
             // Publish the last L1 tile before waiting for any L2 input (this CTA's L2 producer may need it)
             if (is_store_thread)
-                l1_state.publish_pending();
-            gemm::consume_tile<L2>(ctx.pipeline, state, ctx.smem_l2, weight_scales, math_wg_idx, thread_in_wg, acc,
-                                   tiered_env(ctx.env, kTierPipeline, kRoleMath));
+                l1_state.publish_pending(ctx.sym.template local<uint32_t>(layout::kL1DoneCountOffset));
+            gemm::consume_tile<L2, false, false, kPrefetch>(ctx.pipeline, state, ctx.smem_l2, weight_scales,
+                                                           math_wg_idx, thread_in_wg, acc,
+                                                           tiered_env(ctx.env, kTierPipeline, kRoleMath));
             locate_next();
 
             // Stage as BF16 rows once every earlier reader of the staging area is done: the scatter warp (the last
             // L2 tile), or the L1 stores, waited for above by the thread that issued them before it reached this
             // barrier. Then hand the tile to the scatter warp.
             if (staging_held_by_l2)
-                reclaim_staging();
+                Handoff::wait_free();
             else
                 ptx::named_barrier_sync<kStagingFreeBarrierIdx, kNumMathThreads>();
             if (frag.warp_row() < T::BLOCK_M)
                 epilogue::l2_stage_bf16<T::BLOCK_M>(acc, frag, staging);
-            ctx.handoff.publish(is_store_thread, current().words);
+            Handoff::publish();
             staging_held_by_l2 = true;
         }
         ctx.tasks.release(slot.stage);
     }
-    // The last L1 stores complete and are published, and the scatter warp is told the tiles' end (once it has read
-    // the last L2 tile: the mailbox is reused), before any wait of the reduce
+    // The last L1 stores complete and are published before any wait of the reduce; the last L2 tile's "free"
+    // phase is taken, so that no named barrier is left part-way at exit
     if (is_store_thread)
-        l1_state.publish_pending();
-    reclaim_staging();
-    ctx.handoff.publish(is_store_thread, make_uint4(kEndOfTasks, 0, 0, 0));
+        l1_state.publish_pending(ctx.sym.template local<uint32_t>(layout::kL1DoneCountOffset));
+    if (staging_held_by_l2)
+        Handoff::wait_free();
     reduce_tokens<T>(ctx, math_wg_idx);
 }
 

@@ -58,7 +58,6 @@ struct FusedTraits {
     //   misc         16 B: the NVLink barrier ordinal read at kernel start (for the tail: nothing computed before
     //                the role split stays live in registers across it), the CTA index and the grid size
     //   task_queue   task_queue.cuh: kNumTaskSlots tasks from the TMA-A warp to the TMA-B and math warps
-//   l2_handoff   l2_handoff.cuh: the staged L2 tile's task (16 B), math warps -> scatter warp
     using L1Staging = epilogue::L1Staging<BLOCK_M>;
     using L2Staging = epilogue::L2Staging<BLOCK_M>;
     static constexpr uint32_t kOffsetStaging = align_up<uint32_t>(L2::kSmemBytes, 1024);
@@ -74,9 +73,7 @@ struct FusedTraits {
     static constexpr uint32_t kNumTaskSlots = 4;
     using Tasks = TaskQueue<kNumTaskSlots>;
     static constexpr uint32_t kOffsetTaskQueue = kOffsetMisc + 16;
-    static constexpr uint32_t kOffsetL2Handoff = kOffsetTaskQueue + Tasks::kBytes;
-    static constexpr uint32_t kSmemBytes = kOffsetL2Handoff + 16;  // l2_handoff.cuh: L2Handoff::kBytes
-    static_assert(kOffsetL2Handoff % 16 == 0, "the hand-off's mailbox is one 16 B word");
+    static constexpr uint32_t kSmemBytes = kOffsetTaskQueue + Tasks::kBytes;
     static_assert(kSmemBytes <= kSmemLimit, "shared memory over the SM90 per-block limit");
     static_assert(kPullStages >= 1 and kPullStages <= 8, "1..8 rows in flight per dispatch warp");
 };

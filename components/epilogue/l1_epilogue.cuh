@@ -46,10 +46,11 @@ struct L1EpilogueArgs {
 };
 
 // Per math thread across L1 tiles: the staging buffer of the next tile (every thread) and, in the thread that
-// issues the stores, the completion counter of its last stored tile, not yet released.
+// issues the stores, the pool block of its last stored tile, whose completion counter is not yet released (1 +
+// the block, 0 for none: one 32-bit register across the mainloop, where a counter pointer took two and spilled).
 struct L1EpilogueState {
     uint32_t buffer = 0;
-    uint32_t* pending_counter = nullptr;
+    uint32_t pending_block = 0;
 
     // Store thread: wait for its stores, then release the counter they complete.
     // NOTES: bulk async-groups belong to the issuing thread, so only it can wait for them. wait_group 0 (not
@@ -58,12 +59,13 @@ struct L1EpilogueState {
     // release.gpu is what the L2 producer's ld.acquire.gpu pairs with (it fences the async proxy again before
     // its TMA loads). Called at the next L1 tile's epilogue, before any non-L1 work and at exit, so a counter
     // is never held back while this CTA waits for it (the schedule's no-deadlock argument stays intact).
-    MEGAMOE_DEVICE void publish_pending() {
-        if (pending_counter != nullptr) {
+    // done_counts: L1EpilogueArgs::done_counts.
+    MEGAMOE_DEVICE void publish_pending(uint32_t* done_counts) {
+        if (pending_block != 0) {
             ptx::bulk_wait_group<0>();
             ptx::fence_proxy_async_global();
-            ptx::red_add_release<ptx::Scope::kGpu>(pending_counter, 1);
-            pending_counter = nullptr;
+            ptx::red_add_release<ptx::Scope::kGpu>(done_counts + pending_block - 1, 1);
+            pending_block = 0;
         }
     }
 };
@@ -159,7 +161,7 @@ MEGAMOE_DEVICE void l1_epilogue(const float (&acc)[kNumAccum], const AccFragment
 
     // The previous tile's stores had a whole mainloop to complete: release its counter, free its buffer
     if (is_store_thread)
-        state.publish_pending();
+        state.publish_pending(args.done_counts);
 
     // Swiglu, scale, amax, quantize, stage (BLOCK_M = 32: warps 2 and 3 hold WGMMA rows 32..63, discarded)
     const L1Quantized quantized = l1_activate_quantize<kClamp, kFastMath>(acc, frag, tile, args);
@@ -175,7 +177,7 @@ MEGAMOE_DEVICE void l1_epilogue(const float (&acc)[kNumAccum], const AccFragment
         float* sf_dst = args.act_sf + static_cast<uint64_t>(tile.n_block_idx) * args.num_pool_rows + tile.pool_row;
         ptx::bulk_store_1d(sf_dst, buffer + Staging::kSfOffset, Staging::kSfBytes);
         ptx::bulk_commit_group();
-        state.pending_counter = args.done_counts + tile.pool_row / BLOCK_M;
+        state.pending_block = tile.pool_row / BLOCK_M + 1;
     }
     state.buffer ^= 1;
 }

@@ -168,7 +168,15 @@ def fused_kernel_configs(tokens: Sequence[int] = FUSED_TOKENS) -> list[Any]:
     fused = [config_for(layout, serial=s) for s in (True, False)]
     return fused + [ExpertFfnConfig(fused[0].block_m, h, i, e, fast_math=True),
                     DispatchCombineConfig(layout, fused[0].block_m, True)] + [
-        config_for(layout, serial=False, pull_stages=p) for p in PULL_STAGE_VARIANTS]
+        config_for(layout, serial=False, pull_stages=p) for p in PULL_STAGE_VARIANTS] + [
+        config_for(layout, expected_tokens_per_expert=expected_load(t)) for t in tokens]
+
+
+def expected_load(num_tokens: int) -> float:
+    """The expected rows per expert of a call of `num_tokens` tokens per rank (what a serving framework that knows
+    its batch size passes as `expected_tokens_per_expert`, the same on every rank)."""
+    e, _, _, k = FUSED_SHAPE
+    return max(num_tokens, 1) * k / e
 
 
 def precompile_fused(console: Any = None) -> None:
@@ -206,6 +214,7 @@ def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUS
     from megamoe.bench.ffn import ffn_random_weights
     from megamoe.bench.timing import graphed
     from megamoe.buffer import allocate
+    from megamoe.fused import config_for
     from megamoe.fused.launch import PHASES
     from megamoe.fused.launch import run as fused_run
     from megamoe.jit.diagnostics import PhaseTimes
@@ -274,6 +283,12 @@ def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUS
             for p in PULL_STAGE_VARIANTS:
                 runners[f"fused, overlapped, {p} pull stages"] = (
                     lambda p=p: fused_run(y[False], l1, l2, buf, t, serial=False, pull_stages=p))
+            # The variant of the call's own load (BLOCK_M, GEMM stages), where it is not the buffer's default
+            fitted = config_for(buf.layout, expected_tokens_per_expert=expected_load(t))
+            if fitted != configs[False]:
+                runners[f"fused, overlapped, config for the call's load (BLOCK_M {fitted.block_m}, "
+                        f"{fitted.num_stages} stages)"] = (
+                    lambda: fused_run(y[False], l1, l2, buf, t, expected_tokens_per_expert=expected_load(t)))
             runners["fused, phase-serial"] = lambda: fused_run(y[True], l1, l2, buf, t, serial=True)
             runners["expert-FFN unit kernel, same rows (+ counter memset)"] = unit_kernel
             runners["chain: dispatch/combine unit kernel + expert-FFN unit kernel"] = chain

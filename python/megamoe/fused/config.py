@@ -16,7 +16,6 @@ L1_OUTPUT_COLS = 64  # one interleaved 128-column L1 tile yields 64 output colum
 DEFAULT_PULL_STAGES = 4  # rows in flight per dispatch warp (notes/fused.md: 2 warps x 4 stages)
 NUM_TASK_SLOTS = 4  # assembler/task_queue.cuh: FusedTraits::kNumTaskSlots
 TASK_QUEUE_BYTES = NUM_TASK_SLOTS * 16 + 2 * NUM_TASK_SLOTS * MBARRIER_BYTES
-L2_HANDOFF_BYTES = 16  # assembler/l2_handoff.cuh: L2Handoff::kBytes (the mailbox)
 
 
 def pull_stage_bytes(hidden: int) -> int:
@@ -59,7 +58,7 @@ class FusedConfig:
                              f"(limit {SMEM_CAPACITY_BYTES}, at least {MIN_NUM_STAGES} stages)")
 
     # Shared-memory plan (FusedTraits):
-    # [ring][staging][pull][pull barriers][expert count][receive table][misc][task queue][L2 hand-off]
+    # [ring][staging][pull][pull barriers][expert count][receive table][misc][task queue]
     @property
     def stage_bytes(self) -> int:
         """One GEMM stage: A (64 rows at least), B, SFA sized for L2's two per-64 SFs, its two barriers."""
@@ -111,12 +110,8 @@ class FusedConfig:
         return self.misc_offset + 16
 
     @property
-    def l2_handoff_offset(self) -> int:
-        return self.task_queue_offset + TASK_QUEUE_BYTES
-
-    @property
     def smem_bytes(self) -> int:
-        return self.l2_handoff_offset + L2_HANDOFF_BYTES
+        return self.task_queue_offset + TASK_QUEUE_BYTES
 
     @property
     def name(self) -> str:

@@ -96,7 +96,7 @@ def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_to
     from megamoe.kernels.dispatch_combine import sym_buffer_struct
 
     grid = num_sms or runtime.num_sms(buf.device)
-    config, kernel = _variant(buf, activation_clamp, fast_math, expected_tokens_per_expert, serial)
+    config, kernel = _variant(buf, activation_clamp, fast_math, expected_tokens_per_expert, serial, pull_stages)
     if min_wave_l1_tiles is not None and not (isinstance(min_wave_l1_tiles, int) and 0 <= min_wave_l1_tiles < 2**32):
         raise ValueError(f"min_wave_l1_tiles must be an int in [0, 2**32), got {min_wave_l1_tiles!r}")
     capacity = 0
