@@ -221,10 +221,10 @@ MEGAMOE_DEVICE void scatter_tile(const FusedContext<T>& ctx, const QueuedTask& t
 // The scatter warp, after its tile's combine stores: count the tile for its pool block; the tile that completes
 // the block signals each of its rows once.
 // NOTES: __syncwarp orders every lane's combine stores before lane 0's acq_rel add (the reduce reads the rows with
-// generic loads: no proxy fence, combine/reduce.cuh: reduce_token_chunks); the add that
-// completes the block acquires every earlier tile's release (the release sequence of the adds), and __syncwarp
-// orders that before the lanes' red.release.sys signals, which carry all the block's rows (cumulativity) to the
-// source rank's ld.acquire.sys in the reduce (combine/reduce.cuh: reduce_token_chunks).
+// generic loads: no proxy fence); the add that completes the block acquires every earlier tile's release (the
+// release sequence of the adds), and __syncwarp orders that before the lanes' red.release.sys signals, which carry
+// all the block's rows (cumulativity) to the source rank's ld.acquire.sys in the reduce (combine/reduce.cuh:
+// reduce_token_chunks).
 template <typename T>
 MEGAMOE_DEVICE void count_tile(const FusedContext<T>& ctx, const QueuedTask& task, uint32_t lane) {
     __syncwarp();
