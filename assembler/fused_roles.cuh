@@ -261,7 +261,6 @@ MEGAMOE_DEVICE void scatter_role(const FusedContext<T>& ctx) {
         const QueuedTask task{pack_task(next)};
         Handoff::wait_staged();
         scatter_tile<T>(ctx, task, staging, lane);
-        __syncwarp();
         Handoff::release();
         count_tile<T>(ctx, task, lane);
     }
@@ -309,6 +308,7 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
     const AccFragment frag = AccFragment::of(math_wg_idx, thread_in_wg);
     uint8_t* staging = ctx.smem + T::kOffsetStaging;
     epilogue::L1EpilogueState l1_state;
+    const auto l1_done_counts = [&]() { return ctx.sym.template local<uint32_t>(layout::kL1DoneCountOffset); };
     using Handoff = typename FusedContext<T>::Handoff;
     // Whether the staging area holds an L2 tile the scatter warp may still read (l2_handoff.cuh)
     bool staging_held_by_l2 = false;
@@ -367,7 +367,7 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
             const epilogue::L1EpilogueArgs l1_args{
                 ctx.maps.act_store, dispatch::pool_topk_weight(ctx.sym, 0),
                 ctx.sym.template local<float>(layout::kL2ActsSfOffset),
-                ctx.sym.template local<uint32_t>(layout::kL1DoneCountOffset), layout::kNumPoolTokens, ctx.p.clamp};
+                l1_done_counts(), layout::kNumPoolTokens, ctx.p.clamp};
             const epilogue::EpilogueTile out_tile{task.pool_block_idx() * T::BLOCK_M, task.n_block_idx(),
                                                   task.num_valid_rows()};
             epilogue::l1_epilogue<T::BLOCK_M, kNumMathThreads, kL1StoreBarrierIdx, T::kClamp, T::kFastMath>(
@@ -375,7 +375,7 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
         } else {
             // Publish the last L1 tile before waiting for any L2 input (this CTA's L2 producer may need it)
             if (is_store_thread)
-                l1_state.publish_pending(ctx.sym.template local<uint32_t>(layout::kL1DoneCountOffset));
+                l1_state.publish_pending(l1_done_counts());
             gemm::consume_tile<L2, false, false, kPrefetch>(ctx.pipeline, state, ctx.smem_l2, weight_scales,
                                                            math_wg_idx, thread_in_wg, acc,
                                                            tiered_env(ctx.env, kTierPipeline, kRoleMath));
@@ -398,7 +398,7 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
     // The last L1 stores complete and are published before any wait of the reduce; the last L2 tile's "free"
     // phase is taken, so that no named barrier is left part-way at exit
     if (is_store_thread)
-        l1_state.publish_pending(ctx.sym.template local<uint32_t>(layout::kL1DoneCountOffset));
+        l1_state.publish_pending(l1_done_counts());
     if (staging_held_by_l2)
         Handoff::wait_free();
     reduce_tokens<T>(ctx, math_wg_idx);

@@ -39,8 +39,11 @@ struct L2Handoff {
     // The scatter warp: the next L2 tile of the list is staged.
     MEGAMOE_DEVICE static void wait_staged() { ptx::named_barrier_sync<kStagedBarrierIdx, kNumParticipants>(); }
 
-    // The scatter warp, after its last read of the staging area (after __syncwarp).
-    MEGAMOE_DEVICE static void release() { ptx::named_barrier_arrive<kFreeBarrierIdx, kNumParticipants>(); }
+    // The scatter warp, every lane, after its last read of the staging area.
+    MEGAMOE_DEVICE static void release() {
+        __syncwarp();
+        ptx::named_barrier_arrive<kFreeBarrierIdx, kNumParticipants>();
+    }
 };
 
 }  // namespace megamoe::assembler
