@@ -206,7 +206,8 @@ MEGAMOE_DEVICE void dispatch_combine_impl(const SymBuffer& sym, uint32_t num_tok
     const assembler::HeadArgs head{num_tokens, expert_count, table, recv_stats, nullptr,
                                    (debug_flags & T::kDebugHangAtDispatchBarrier) != 0};
     assembler::dispatch_head<T::kNumThreads, T::kBlockM, true, T::kTablePrefetch, T::kLeanSync>(
-        env, sym, head, nvl_ordinal, cta_idx, num_ctas, thread_idx, [&](uint32_t i) { timer.mark(i, lane); });
+        env, sym, head, [&]() { return nvl_ordinal; }, cta_idx, num_ctas, thread_idx,
+        [&](uint32_t i) { timer.mark(i, lane); });
 
     // Pull the received rows into the pool, then run the expert on them
     if (is_pull_warp) {

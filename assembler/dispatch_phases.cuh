@@ -37,17 +37,17 @@ struct HeadArgs {
 // kPolledBarrier = false: the first version's NVLink barrier (nvlink_barrier, three grid syncs), kept for the unit
 // kernel's legacy knobs.
 template <uint32_t kNumThreads, uint32_t kBlockM, bool kPrint, bool kTablePrefetch = true, bool kPolledBarrier = true,
-          typename Mark>
+          typename NvlOrdinal, typename Mark>
 MEGAMOE_DEVICE void dispatch_head(const DeviceEnv& env, const SymBuffer& sym, const HeadArgs& args,
-                                  uint32_t nvl_ordinal, uint32_t cta_idx, uint32_t num_ctas, uint32_t thread_idx,
-                                  const Mark& mark) {
+                                  const NvlOrdinal& nvl_ordinal, uint32_t cta_idx, uint32_t num_ctas,
+                                  uint32_t thread_idx, const Mark& mark) {
     const auto sync_cta = []() { __syncthreads(); };
     dispatch::count_and_notify<kNumThreads, kPrint>(sym, args.num_tokens, args.expert_count, cta_idx, num_ctas,
                                                     thread_idx, sync_cta, args.error_flags);
     mark(1);
     if constexpr (kPolledBarrier) {
         nvlink_barrier_polled<kPrint>(env, BarrierTags{"gs0_dispatch", "nvl_dispatch", ""}, sym, barrier_words(sym),
-                                      nvl_ordinal, cta_idx, num_ctas, thread_idx, sync_cta, []() {}, []() {},
+                                      nvl_ordinal(), cta_idx, num_ctas, thread_idx, sync_cta, []() {}, []() {},
                                       args.debug_hang);
     } else {
         static_assert(kPrint, "the first version's barrier reports with printf");

@@ -48,10 +48,12 @@ MEGAMOE_DEVICE void fused_head(const FusedContext<T>& ctx) {
     }
     // NOTES: every thread reads the NVLink barrier counter before its CTA's first grid-sync arrival; CTA 0 moves
     // it only after that grid sync (nvlink_barrier_polled), and earlier calls' moves are ordered by the kernel
-    // boundary. Thread 0 keeps it in shared memory for the tail (published by the CTA barriers in between).
-    const uint32_t nvl_ordinal = *barrier_words(sym).nvl_counter;
+    // boundary. Thread 0 keeps it in shared memory for the tail (published by the CTA barriers in between); the
+    // head's barrier reads it again after the count, just before that grid sync (dispatch_head's getter): held in
+    // a register through the count, it spilled 4 B at BLOCK_M 128, and read from shared memory there, ptxas
+    // allocated the math region differently and spilled 216 B (notes/fused.md, "Spills: the report out of line").
     if (thread_idx == 0) {
-        ctx.misc[0] = nvl_ordinal;
+        ctx.misc[0] = *barrier_words(sym).nvl_counter;
         ctx.misc[1] = cta_idx;
         ctx.misc[2] = num_ctas;
     }
@@ -60,8 +62,9 @@ MEGAMOE_DEVICE void fused_head(const FusedContext<T>& ctx) {
     const HeadArgs head{ctx.p.num_tokens, ctx.expert_count, ctx.table, ctx.p.recv_stats,
                         sym.local<uint32_t>(layout::kWorkspaceHeaderOffset) + layout::kErrorFlagsIdx,
                         (ctx.p.debug_flags & kDebugHangAtDispatchBarrier) != 0};
-    dispatch_head<kNumThreads, T::BLOCK_M, false>(tiered_env(ctx.env, kTierPeer, kRoleCommon), sym, head, nvl_ordinal,
-                                                  cta_idx, num_ctas, thread_idx, [](uint32_t) {});
+    dispatch_head<kNumThreads, T::BLOCK_M, false>(tiered_env(ctx.env, kTierPeer, kRoleCommon), sym, head,
+                                                  [&]() { return *barrier_words(sym).nvl_counter; }, cta_idx,
+                                                  num_ctas, thread_idx, [](uint32_t) {});
 }
 
 // Tail, every thread: every rank's rows have been reduced where they belong; clean this call's counters and meet

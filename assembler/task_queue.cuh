@@ -84,8 +84,9 @@ struct TaskQueue {
 
     // The math warps keep their current and next task in the slots rather than in registers (held across the
     // mainloop they spilled): wait for a slot, read its words on each use, release it once the task is done.
+    // (The report inline: a math warpgroup's wait, ReportSite.)
     MEGAMOE_DEVICE void wait_full(const DeviceEnv& env, uint32_t stage, uint32_t phase) const {
-        ptx::mbarrier_wait<false>(env, "task_full", full_barriers() + stage, phase);
+        ptx::mbarrier_wait<false, ReportSite::kInline>(env, "task_full", full_barriers() + stage, phase);
     }
     // NOTES: one 16 B load from an address computed from `stage`: four volatile word loads made the compiler keep
     // four loop-carried slot pointers (strength-reduced) across the math warps' mainloop, where they spilled.

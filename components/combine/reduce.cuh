@@ -200,7 +200,8 @@ MEGAMOE_DEVICE void reduce_token_chunks(const DeviceEnv& env, const SymBuffer& s
                 if (lane == 0) {
                     const uint32_t* count = sym.local<const uint32_t>(layout::kCombineArrivalCountOffset) + token;
                     const uint32_t expected = __popc(slot_mask);
-                    bounded_wait<kPrint>(
+                    // (the report inline: the fused kernel reduces on its math warpgroups, ReportSite)
+                    bounded_wait<kPrint, ReportSite::kInline>(
                         env, "combine_rows",
                         [&]() { return ptx::ld_acquire<ptx::Scope::kSys>(count) >= expected; },
                         [&]() { return make_longlong3(ptx::ld_relaxed<ptx::Scope::kSys>(count), expected, token); });

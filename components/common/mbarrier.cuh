@@ -41,11 +41,11 @@ MEGAMOE_DEVICE bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
     return done != 0;
 }
 
-// Wait for the phase with the given parity to complete; time out with a diagnostic (kPrint: see
-// megamoe_report_timeout; false in warpgroups that issue WGMMA).
-template <bool kPrint = true>
+// Wait for the phase with the given parity to complete; time out with a diagnostic (kPrint, kSite: see
+// megamoe_report_timeout; false and kInline in warpgroups that issue WGMMA).
+template <bool kPrint = true, ReportSite kSite = ReportSite::kCall>
 MEGAMOE_DEVICE void mbarrier_wait(const DeviceEnv& env, const char* tag, uint64_t* bar, uint32_t parity) {
-    bounded_wait<kPrint>(
+    bounded_wait<kPrint, kSite>(
         env, tag, [&]() { return mbarrier_try_wait_parity(bar, parity); },
         [&]() { return make_longlong3(parity, static_cast<int64_t>(*bar), 0); });
 }

@@ -85,8 +85,8 @@ MEGAMOE_DEVICE void device_vprintf(const char* fmt, const void* args) {
 // kPrint = false skips the printf: any function call (printf is one) in a warpgroup that issues WGMMA makes
 // ptxas serialize its wgmma pipeline (C7510), so the math warpgroups report through the record only.
 template <bool kPrint>
-MEGAMOE_DEVICE void megamoe_report_timeout(const DeviceEnv& env, const char* tag, uint64_t waited_ns, int64_t v0,
-                                           int64_t v1, int64_t v2) {
+MEGAMOE_DEVICE void report_timeout_body(const DeviceEnv& env, const char* tag, uint64_t waited_ns, int64_t v0,
+                                        int64_t v1, int64_t v2) {
     const uint32_t sm_idx = sm_id();
     if (env.timeout_records != nullptr) {
         TimeoutRecord* rec = env.timeout_records + (env.role % kNumRecordRoles) * kRecordsPerRole +
@@ -116,9 +116,36 @@ MEGAMOE_DEVICE void megamoe_report_timeout(const DeviceEnv& env, const char* tag
     __trap();
 }
 
-// Spin until `done()` holds; past env.timeout_ns, report (tag, values()) and trap.
+// The same report out of line, in a function PTX marks `.noreturn`: ptxas then keeps nothing of the waiting
+// code alive through it (parameters go in registers: no stack frame).
+template <bool kPrint>
+__device__ __noinline__ __attribute__((noreturn)) void report_timeout_noreturn(DeviceEnv env, const char* tag,
+                                                                               uint64_t waited_ns, int64_t v0,
+                                                                               int64_t v1, int64_t v2) {
+    report_timeout_body<kPrint>(env, tag, waited_ns, v0, v1, v2);
+    __builtin_unreachable();
+}
+
+// Where a timeout's report runs (DESIGN 5c).
+// NOTES: inlined, ptxas treats the trap path as one that returns, so the wait's loop state stays live through
+// the report's own values: in the fused kernel that spilled 64-68 B in the head and the 56-register WG0 roles
+// (timeout record stores, values reloaded around them); out of line (kCall) 0-4 B. In a warpgroup that issues
+// WGMMA the call itself costs: the math waits out of line spilled ~1 KB in the math region of the BLOCK_M 64
+// variants, so those waits keep the report inline (kInline) and were at 0 spills that way.
+enum class ReportSite : uint32_t { kCall = 0, kInline = 1 };
+
+template <bool kPrint, ReportSite kSite = ReportSite::kCall>
+MEGAMOE_DEVICE void megamoe_report_timeout(const DeviceEnv& env, const char* tag, uint64_t waited_ns, int64_t v0,
+                                           int64_t v1, int64_t v2) {
+    if constexpr (kSite == ReportSite::kCall)
+        report_timeout_noreturn<kPrint>(env, tag, waited_ns, v0, v1, v2);
+    else
+        report_timeout_body<kPrint>(env, tag, waited_ns, v0, v1, v2);
+}
+
+// Spin until `done()` holds; past env.timeout_ns, report (tag, values()) at kSite and trap.
 // `done` is polled first without reading the timer, so an uncontended wait costs one poll.
-template <bool kPrint = true, typename Done, typename Values>
+template <bool kPrint = true, ReportSite kSite = ReportSite::kCall, typename Done, typename Values>
 MEGAMOE_DEVICE void bounded_wait(const DeviceEnv& env, const char* tag, const Done& done, const Values& values) {
     if (done())
         return;
@@ -127,7 +154,7 @@ MEGAMOE_DEVICE void bounded_wait(const DeviceEnv& env, const char* tag, const Do
         const uint64_t waited_ns = globaltimer_ns() - start_ns;
         if (waited_ns > env.timeout_ns) {
             const auto v = values();
-            megamoe_report_timeout<kPrint>(env, tag, waited_ns, v.x, v.y, v.z);
+            megamoe_report_timeout<kPrint, kSite>(env, tag, waited_ns, v.x, v.y, v.z);
         }
     }
 }

@@ -39,7 +39,8 @@ struct Pipeline {
     }
 
     // NOTES: both waits report a timeout through the host-mapped record only (kPrint = false): a printf
-    // call anywhere in a loop of this kernel makes ptxas serialize the math warpgroups' WGMMAs (C7510).
+    // call anywhere in a loop of this kernel makes ptxas serialize the math warpgroups' WGMMAs (C7510). The
+    // consumer's report stays inline (ReportSite::kInline): out of line, it spilled in the math region.
 
     // Producer acquire: wait until the math warps released this stage's previous use.
     // NOTES: waiting with the flipped parity returns at once on the first pass through the ring, when the
@@ -59,7 +60,7 @@ struct Pipeline {
 
     // Consumer wait: until both producers' bytes for this stage have landed.
     MEGAMOE_DEVICE void consumer_wait(const DeviceEnv& env, const PipelineState<kNumStages>& state) const {
-        ptx::mbarrier_wait<false>(env, "gemm_full", full_barriers + state.stage, state.phase);
+        ptx::mbarrier_wait<false, ReportSite::kInline>(env, "gemm_full", full_barriers + state.stage, state.phase);
     }
 
     // Consumer wait that may run while a WGMMA group is in flight (ptx::mbarrier_wait_inline_at): returns 0, or
@@ -71,7 +72,7 @@ struct Pipeline {
     MEGAMOE_DEVICE void report_full_timeout(const DeviceEnv& env, const PipelineState<kNumStages>& state,
                                             uint64_t waited_ns) const {
         if (waited_ns != 0)
-            megamoe_report_timeout<false>(env, "gemm_full", waited_ns, state.phase,
+            megamoe_report_timeout<false, ReportSite::kInline>(env, "gemm_full", waited_ns, state.phase,
                                           static_cast<int64_t>(full_barriers[state.stage]), state.stage);
     }
 
