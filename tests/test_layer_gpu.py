@@ -104,17 +104,44 @@ def test_layer_matches_reference(seed: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens_hint", [8, 64])
+def test_layer_num_tokens_hint(num_tokens_hint: int) -> None:
+    """A serving bucket's hint picks the config for its load (BLOCK_M 32 / 64 here instead of the buffer
+    maximum's 128) and gives the same bits as the default config on the same inputs."""
+    from megamoe import heuristics
+    from megamoe.fused import config_for
+
+    layer, _ = _layer(7)
+    lay = layer.buffer.layout
+    default_bm = config_for(lay).block_m
+    hinted_bm = config_for(lay, expected_tokens_per_expert=heuristics.default_expected_tokens_per_expert(
+        1, SHAPE["num_experts"], num_tokens_hint, SHAPE["num_topk"])).block_m
+    assert hinted_bm < default_bm, (hinted_bm, default_bm)
+    inputs = [t.cuda() for t in routed_hidden_states(num_tokens_hint, SHAPE["hidden"], SHAPE["num_experts"],
+                                                     SHAPE["num_topk"], 70 + num_tokens_hint, mask_every=3)]
+    _poison_inputs(layer.buffer)
+    y_default = layer(*inputs)
+    _poison_inputs(layer.buffer)
+    y_hinted = layer(*inputs, num_tokens_hint=num_tokens_hint)
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(y_default).all())
+    assert torch.equal(y_hinted.view(torch.int16), y_default.view(torch.int16)), \
+        f"BLOCK_M {hinted_bm} (hint {num_tokens_hint}) differs from BLOCK_M {default_bm}"
+
+
+@pytest.mark.gpu
 def test_layer_cuda_graph() -> None:
-    """One capture at a fixed T = 64 (padded slots -1), replayed with new hidden states and routing each time."""
+    """One capture at a fixed T = 64 (padded slots -1) with that bucket as the hint, as a serving framework
+    captures its decode graphs, replayed with new hidden states and routing each time."""
     layer, tensors = _layer(5)
     (w1, w1_sf), (w2, w2_sf) = _natural(tensors)
     num_tokens = 64
     static = [t.cuda() for t in routed_hidden_states(num_tokens, SHAPE["hidden"], SHAPE["num_experts"],
                                                      SHAPE["num_topk"], 0)]
-    layer(*static)  # compiles and loads the kernels outside the capture
+    layer(*static, num_tokens_hint=num_tokens)  # compiles and loads the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = layer(*static)
+        y = layer(*static, num_tokens_hint=num_tokens)
     for replay in range(5):
         new = routed_hidden_states(num_tokens, SHAPE["hidden"], SHAPE["num_experts"], SHAPE["num_topk"],
                                    10 + replay, mask_every=2)
@@ -153,5 +180,10 @@ def test_layer_named_errors() -> None:
         layer(hidden_states, idx, weights.half())
     with pytest.raises(ValueError, match="must be on"):
         layer(hidden_states.cpu(), idx, weights)
+    for bad in (0, 129):
+        with pytest.raises(ValueError, match="num_tokens_hint must be in"):
+            layer(hidden_states, idx, weights, num_tokens_hint=bad)
+    with pytest.raises(TypeError, match="num_tokens_hint must be an int"):
+        layer(hidden_states, idx, weights, num_tokens_hint=8.0)
     with pytest.raises(KeyError, match="checkpoint has no tensor"):
         layer.load_weights({}, PREFIX)

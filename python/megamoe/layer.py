@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megamoe import api, checkpoint, weights
+from megamoe import api, checkpoint, heuristics, weights
 from megamoe.kernels import input_cast
 
 __all__ = ["MoELayer"]
@@ -73,14 +73,30 @@ class MoELayer(torch.nn.Module):
     def reset_recv_stats(self) -> None:
         self.recv_stats.zero_()
 
-    def forward(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                *, num_tokens_hint: int | None = None) -> torch.Tensor:
         """BF16 [T, H] routed-expert output of BF16 hidden_states [T, H] (T <= max_tokens_per_rank), topk_idx
-        int32 or int64 [T, top-k] (-1: no expert) and float32 topk_weights [T, top-k]. Collective."""
+        int32 or int64 [T, top-k] (-1: no expert) and float32 topk_weights [T, top-k]. Collective.
+
+        num_tokens_hint: the tokens per rank this call is sized for, the same on every rank (a serving
+        framework's batch bucket, e.g. its CUDA-graph batch size at decode); the kernel config (BLOCK_M) is chosen
+        for that load instead of for max_tokens_per_rank, which at decode is several times faster. The output
+        does not depend on it. Each distinct hint may compile a kernel variant: make one eager call per hint
+        before capturing graphs."""
         if self.l1 is None or self.l2 is None:
             raise RuntimeError("MoELayer has no weights: call load_weights or set_weights first")
+        expected = None
+        if num_tokens_hint is not None:
+            hint = api._check_int("num_tokens_hint", num_tokens_hint)
+            if not 0 < hint <= self.max_tokens_per_rank:
+                raise ValueError(f"num_tokens_hint must be in [1, max_tokens_per_rank = {self.max_tokens_per_rank}]"
+                                 f", got {hint}")
+            lay = self.buffer.layout
+            expected = heuristics.default_expected_tokens_per_expert(lay.num_ranks, self.num_experts, hint,
+                                                                     self.num_topk)
         num_tokens = input_cast.run(self.buffer, hidden_states, topk_idx, topk_weights)
         y = torch.empty(num_tokens, self.hidden, dtype=torch.bfloat16, device=self.buffer.device)
         api.fused(y, self.l1, self.l2, self.buffer, num_tokens, self.recv_stats, self.activation_clamp,
-                  self.fast_math, check_inputs=not torch.cuda.is_current_stream_capturing(), num_sms=self.num_sms)
+                  self.fast_math, expected, check_inputs=not torch.cuda.is_current_stream_capturing(),
+                  num_sms=self.num_sms)
         return y
