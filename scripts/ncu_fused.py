@@ -10,7 +10,7 @@ import torch
 
 from megamoe import weights
 from megamoe.bench.ffn import ffn_random_weights
-from megamoe.bench.fused import FUSED_MAX_TOKENS, FUSED_SHAPE, routed_inputs
+from megamoe.bench.fused import FUSED_SHAPES, routed_inputs
 from megamoe.buffer import allocate
 from megamoe.fused.launch import run
 from megamoe.layout import SymmLayout
@@ -19,11 +19,12 @@ from megamoe.layout import SymmLayout
 def main() -> None:
     num_tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     expected = float(sys.argv[2]) if len(sys.argv) > 2 else None  # None: the buffer's default config
-    e, h, i, k = FUSED_SHAPE
+    spec = FUSED_SHAPES["flash"]
+    e, h, i, k = spec.num_experts, spec.hidden, spec.intermediate, spec.num_topk
     dev = torch.device("cuda")
     natural = ffn_random_weights(e, h, i, generator=torch.Generator(device=dev).manual_seed(12345), device=dev)
     l1, l2 = weights.transform_weights(*natural)
-    buf = allocate(None, SymmLayout.create(1, e, FUSED_MAX_TOKENS, k, h, i), dev)
+    buf = allocate(None, SymmLayout.create(1, e, spec.max_tokens, k, h, i), dev)
     for name, value in zip(("x", "x_sf", "topk_idx", "topk_weights"), routed_inputs(num_tokens, e, k, h, 0, dev)):
         getattr(buf, name)[:num_tokens].copy_(value)
     y = torch.empty(num_tokens, h, dtype=torch.bfloat16, device=dev)

@@ -36,6 +36,12 @@ def test_variants_and_cli() -> None:
     with pytest.raises(ValueError, match="only apply to `megamoe bench fused`"):
         bench_options(parse_args(["bench", "comm", "--phases"]))
     assert bench_options(parse_args(["bench", "fused", "--phases"])) == {"phases": True}
+    assert bench_options(parse_args(["bench", "fused", "--shape", "pro", "--tokens", "8"])) == {
+        "shape": "pro", "tokens": [8]}
+    assert bench_options(parse_args(["bench", "fused", "--shape", "e256", "--compile-only"])) == {"shape": "e256"}
+    with pytest.raises(ValueError, match="only apply to `megamoe bench fused`"):
+        bench_options(parse_args(["bench", "comm", "--shape", "pro"]))
+    assert {c.layout.num_experts for c in bf.fused_kernel_configs("e256") if hasattr(c, "layout")} == {256}
     with pytest.raises(ValueError, match=">= 0"):
         bench_options(parse_args(["bench", "fused", "--wave-fill", "-1"]))
     # the chain's dispatch/combine unit kernel runs at the fused kernel's BLOCK_M
@@ -52,9 +58,9 @@ def test_phases_table() -> None:
     def case(first_l1: float) -> bf.FusedCaseResult:
         marks = {"start": (0, 0), "head": (10, 12), "pull": (15, 80), "l1_start": (first_l1, 90),
                  "l2_start": (40, 150), "reduce": (160, 170), "end": (175, 180)}
-        return bf.FusedCaseResult(case=f"T 1024 seed {first_l1}", tokens=1024, seed=0, experts_touched=32,
-                                  max_rows=200, rows=6144, floor_us=184.7, block_m=128, y_rel_l2=4e-3,
-                                  serial_equals_overlapped=True, warmup=1, iters=1,
+        return bf.FusedCaseResult(case=f"T 1024 seed {first_l1}", shape="flash", tokens=1024, seed=0,
+                                  experts_touched=32, max_rows=200, rows=6144, floor_us=184.7, block_m=128,
+                                  y_rel_l2=4e-3, serial_equals_overlapped=True, warmup=1, iters=1,
                                   phases=[(n, *marks[n]) for n in PHASES])
 
     console = Console(width=240, record=True)

@@ -20,8 +20,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-COMM_ONLY_OPTIONS = ("tokens", "warmup", "iters", "compile_only", "ranks", "wave_fill", "phases")
-FUSED_OPTIONS = ("tokens", "compile_only", "wave_fill", "phases")
+COMM_ONLY_OPTIONS = ("tokens", "warmup", "iters", "compile_only", "ranks", "wave_fill", "phases", "shape")
+FUSED_OPTIONS = ("tokens", "compile_only", "wave_fill", "phases", "shape")
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -45,9 +45,9 @@ def bench_options(args: argparse.Namespace) -> dict:
         others = [g for g in given if g[2:].replace("-", "_") not in FUSED_OPTIONS]
         if others:
             raise ValueError(f"{', '.join(others)} only apply to `megamoe bench comm`")
+        options: dict = {} if args.shape is None else {"shape": args.shape}
         if args.compile_only:
-            return {}
-        options: dict = {}
+            return options
         if args.tokens is not None:
             options["tokens"] = parse_int_list(args.tokens)
         if args.wave_fill is not None:
@@ -58,8 +58,8 @@ def bench_options(args: argparse.Namespace) -> dict:
         if args.phases:
             options["phases"] = True
         return options
-    if args.wave_fill is not None or args.phases:
-        raise ValueError("--wave-fill and --phases only apply to `megamoe bench fused`")
+    if args.wave_fill is not None or args.phases or args.shape is not None:
+        raise ValueError("--wave-fill, --phases and --shape only apply to `megamoe bench fused`")
     if args.name != "comm":
         if given:
             raise ValueError(f"{', '.join(given)} only apply to `megamoe bench comm`")
@@ -90,7 +90,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.name == "fused":
             from megamoe.bench.fused import precompile_fused
 
-            precompile_fused()
+            precompile_fused(**options)
             return 0
         from megamoe.bench.comm import precompile_comm
 
@@ -140,6 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     fused.add_argument("--wave-fill", default=None,
                        help="wave fill targets to time, comma-separated: a wave closes at fill x grid L1 tiles, "
                             "0 = one wave (default heuristics.WAVE_FILL)")
+    fused.add_argument("--shape", default=None, choices=["flash", "e256", "pro"],
+                       help="flash (default): E 32 H 4096 I 2048 top-6 at T 8,128,1024,4096; e256: 256 local "
+                            "experts at T 128; pro: E 48 H 7168 I 3072 top-6 at T 8,128,4096")
     fused.add_argument("--phases", action="store_true",
                        help="also the kernel's phase marks per case (head, pull, first L1, last L2, reduce, end)")
     bench.set_defaults(fn=_cmd_bench)

@@ -28,9 +28,27 @@ from rich.table import Table
 from megamoe.bench.results import CaseResult, Measurement, fmt, results_table
 from megamoe.bench.timing import HBM_READ_TBPS, l2_flusher, time_queued_us
 
-FUSED_SHAPE = (32, 4096, 2048, 6)  # E local, H, I, top-k
-FUSED_MAX_TOKENS = 4096
-FUSED_TOKENS = (8, 128, 1024, 4096)
+
+
+@dataclass(frozen=True)
+class FusedShape:
+    """One bench shape on one rank: E local experts, H, I, top-k, the T it times by default, the buffer's T_max."""
+    num_experts: int
+    hidden: int
+    intermediate: int
+    num_topk: int
+    tokens: tuple[int, ...]
+    max_tokens: int = 4096
+
+
+FUSED_SHAPES = {
+    # one rank of 8 serving DSV4-Flash (256 experts): the issue's main targets
+    "flash": FusedShape(32, 4096, 2048, 6, (8, 128, 1024, 4096)),
+    # every DSV4-Flash expert on one GPU (the issue's E = 256 target, at T = 128)
+    "e256": FusedShape(256, 4096, 2048, 6, (128,)),
+    # the Pro shape (reported, no target)
+    "pro": FusedShape(48, 7168, 3072, 6, (8, 128, 4096)),
+}
 FUSED_SEEDS = (0, 1, 2)
 # The pull staging's stages per dispatch warp timed beside the default (2, which leaves a fifth GEMM stage at
 # BLOCK_M 128; issue: size the pull staging from the GEMM's stage count)
@@ -126,6 +144,7 @@ class FusedMeasurement(Measurement):
 
 @dataclass(kw_only=True)
 class FusedCaseResult(CaseResult[FusedMeasurement]):
+    shape: str  # a key of FUSED_SHAPES
     tokens: int
     seed: int
     experts_touched: int
@@ -155,7 +174,7 @@ def routed_inputs(num_tokens: int, num_experts: int, num_topk: int, hidden: int,
             torch.softmax(top.values, dim=1).to(torch.float32).to(device))
 
 
-def fused_kernel_configs(tokens: Sequence[int] = FUSED_TOKENS) -> list[Any]:
+def fused_kernel_configs(shape: str = "flash", tokens: Sequence[int] | None = None) -> list[Any]:
     """Every variant the bench launches (for --compile-only): the fused kernel both orders, the expert-FFN and the
     dispatch/combine unit kernels."""
     from megamoe.fused import config_for
@@ -163,29 +182,29 @@ def fused_kernel_configs(tokens: Sequence[int] = FUSED_TOKENS) -> list[Any]:
     from megamoe.kernels.expert_ffn import ExpertFfnConfig
     from megamoe.layout import SymmLayout
 
-    e, h, i, k = FUSED_SHAPE
-    layout = SymmLayout.create(1, e, FUSED_MAX_TOKENS, k, h, i)
-    fused = [config_for(layout, serial=s) for s in (True, False)]
+    spec = FUSED_SHAPES[shape]
+    e, h, i = spec.num_experts, spec.hidden, spec.intermediate
+    layout = SymmLayout.create(1, e, spec.max_tokens, spec.num_topk, h, i)
+    fused = [config_for(layout, serial=serial) for serial in (True, False)]
     return fused + [ExpertFfnConfig(fused[0].block_m, h, i, e, fast_math=True),
                     DispatchCombineConfig(layout, fused[0].block_m, True)] + [
         config_for(layout, serial=False, pull_stages=p) for p in PULL_STAGE_VARIANTS] + [
-        config_for(layout, expected_tokens_per_expert=expected_load(t)) for t in tokens]
+        config_for(layout, expected_tokens_per_expert=expected_load(spec, t)) for t in tokens or spec.tokens]
 
 
-def expected_load(num_tokens: int) -> float:
+def expected_load(shape: FusedShape, num_tokens: int) -> float:
     """The expected rows per expert of a call of `num_tokens` tokens per rank (what a serving framework that knows
     its batch size passes as `expected_tokens_per_expert`, the same on every rank)."""
-    e, _, _, k = FUSED_SHAPE
-    return max(num_tokens, 1) * k / e
+    return max(num_tokens, 1) * shape.num_topk / shape.num_experts
 
 
-def precompile_fused(console: Any = None) -> None:
+def precompile_fused(shape: str = "flash") -> None:
     from megamoe.fused import compile_fused
     from megamoe.kernels.dispatch_combine import DispatchCombineConfig
     from megamoe.kernels.dispatch_combine import compile_kernel as compile_dispatch_combine
     from megamoe.kernels.expert_ffn import ExpertFfnConfig, compile_expert_ffn
 
-    for config in fused_kernel_configs():
+    for config in fused_kernel_configs(shape):
         if isinstance(config, ExpertFfnConfig):
             compile_expert_ffn(config)
         elif isinstance(config, DispatchCombineConfig):
@@ -207,9 +226,9 @@ def _unit_kernel_pool(buf: Any, config: Any, counts: list[int], w: tuple) -> tup
     return inputs, ef.new_outputs(config, rows, device)
 
 
-def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUSED_SEEDS, *, warmup: int = 5,
+def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSED_SEEDS, *, warmup: int = 5,
                 iters: int = 30, wave_fills: Sequence[int] | None = None, phases: bool = False,
-                device: str = "cuda") -> list[FusedCaseResult]:
+                shape: str = "flash", device: str = "cuda") -> list[FusedCaseResult]:
     from megamoe import heuristics, reference, weights
     from megamoe.bench.ffn import ffn_random_weights
     from megamoe.bench.timing import graphed
@@ -226,14 +245,15 @@ def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUS
     wave_fills = list(wave_fills or [heuristics.WAVE_FILL])
 
     dev = torch.device(device)
-    e, h, i, k = FUSED_SHAPE
+    spec = FUSED_SHAPES[shape]
+    e, h, i, k = spec.num_experts, spec.hidden, spec.intermediate, spec.num_topk
     natural = ffn_random_weights(e, h, i, generator=torch.Generator(device=dev).manual_seed(12345), device=dev)
     l1, l2 = weights.transform_weights(*natural)
-    buf = allocate(None, SymmLayout.create(1, e, FUSED_MAX_TOKENS, k, h, i), dev)
+    buf = allocate(None, SymmLayout.create(1, e, spec.max_tokens, k, h, i), dev)
     flush = l2_flusher(dev)
     expert_bytes = 3 * h * i
     results = []
-    for t in tokens:
+    for t in tokens or spec.tokens:
         for seed in seeds:
             started = time.perf_counter()
             x, x_sf, idx, tw = routed_inputs(t, e, k, h, seed, dev)
@@ -248,7 +268,8 @@ def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUS
             y_ref = reference.moe(x, x_sf, idx, tw, natural[0], natural[1], fast_math=True)
             err = reference.rel_l2(y[False].float(), y_ref.float())
             same = torch.equal(y[True].view(torch.int16), y[False].view(torch.int16))
-            result = FusedCaseResult(case=f"T {t} seed {seed}", tokens=t, seed=seed, experts_touched=touched,
+            result = FusedCaseResult(case=f"T {t} seed {seed}", shape=shape, tokens=t, seed=seed,
+                                     experts_touched=touched,
                                      max_rows=max(counts), rows=rows, floor_us=floor,
                                      block_m=configs[False].block_m, y_rel_l2=err, serial_equals_overlapped=same,
                                      warmup=warmup, iters=iters)
@@ -284,11 +305,11 @@ def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUS
                 runners[f"fused, overlapped, {p} pull stages"] = (
                     lambda p=p: fused_run(y[False], l1, l2, buf, t, serial=False, pull_stages=p))
             # The variant of the call's own load (BLOCK_M, GEMM stages), where it is not the buffer's default
-            fitted = config_for(buf.layout, expected_tokens_per_expert=expected_load(t))
+            fitted = config_for(buf.layout, expected_tokens_per_expert=expected_load(spec, t))
             if fitted != configs[False]:
                 runners[f"fused, overlapped, config for the call's load (BLOCK_M {fitted.block_m}, "
                         f"{fitted.num_stages} stages)"] = (
-                    lambda: fused_run(y[False], l1, l2, buf, t, expected_tokens_per_expert=expected_load(t)))
+                    lambda: fused_run(y[False], l1, l2, buf, t, expected_tokens_per_expert=expected_load(spec, t)))
             runners["fused, phase-serial"] = lambda: fused_run(y[True], l1, l2, buf, t, serial=True)
             runners["expert-FFN unit kernel, same rows (+ counter memset)"] = unit_kernel
             runners["chain: dispatch/combine unit kernel + expert-FFN unit kernel"] = chain
@@ -336,11 +357,14 @@ def bench_fused(tokens: Sequence[int] = FUSED_TOKENS, seeds: Sequence[int] = FUS
 
 
 def fused_report(results: list[FusedCaseResult]) -> tuple[dict[str, Any], Table]:
-    e, h, i, k = FUSED_SHAPE
+    shape = results[0].shape if results else "flash"
+    spec = FUSED_SHAPES[shape]
+    e, h, i, k = spec.num_experts, spec.hidden, spec.intermediate, spec.num_topk
     iters = results[0].iters if results else 0
     warmup = results[0].warmup if results else 0
     caption = FUSED_FORMULA.format(hbm=HBM_READ_TBPS, iters=iters, warmup=warmup)
-    table = results_table(f"megamoe bench fused: E {e} H {h} I {i} top-{k}, one GPU ({torch.cuda.get_device_name()})",
+    table = results_table(f"megamoe bench fused --shape {shape}: E {e} H {h} I {i} top-{k}, one GPU "
+                          f"({torch.cuda.get_device_name()})",
                           ["case", "experts / max rows / rows", "floor us",
                            "y rel-L2 fused / cuBLAS, serial == overlapped", "implementation", "L2", "us", "x floor",
                            "TFLOP/s", "note"],
@@ -355,7 +379,7 @@ def fused_report(results: list[FusedCaseResult]) -> tuple[dict[str, Any], Table]
                           fmt(m.tflops, ".0f"), m.note)
         table.add_section()
     phases = phases_table(results)
-    fields = {"shape": {"experts": e, "hidden": h, "intermediate": i, "topk": k}, "formula": caption}
+    fields = {"shape": {"name": shape, "experts": e, "hidden": h, "intermediate": i, "topk": k}, "formula": caption}
     return fields, (table if phases is None else Group(table, phases))
 
 
