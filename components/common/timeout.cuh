@@ -129,9 +129,10 @@ __device__ __noinline__ __attribute__((noreturn)) void report_timeout_noreturn(D
 // Where a timeout's report runs (DESIGN 5c).
 // NOTES: inlined, ptxas treats the trap path as one that returns, so the wait's loop state stays live through
 // the report's own values: in the fused kernel that spilled 64-68 B in the head and the 56-register WG0 roles
-// (timeout record stores, values reloaded around them); out of line (kCall) 0-4 B. In a warpgroup that issues
-// WGMMA the call itself costs: the math waits out of line spilled ~1 KB in the math region of the BLOCK_M 64
-// variants, so those waits keep the report inline (kInline) and were at 0 spills that way.
+// (timeout record stores, values reloaded around them); out of line (kCall) 0 B, with the head's NVLink ordinal
+// re-read (assembler/fused_kernel.cuh). In a warpgroup that issues WGMMA the call itself costs: the math waits
+// out of line spilled ~1 KB in the math region of the BLOCK_M 64 variants, so those waits keep the report inline
+// (kInline), with which they are at 0 spills.
 enum class ReportSite : uint32_t { kCall = 0, kInline = 1 };
 
 template <bool kPrint, ReportSite kSite = ReportSite::kCall>
