@@ -1,5 +1,6 @@
 """K-block timeline of CTA 0's math warpgroups (gemm/kblock_trace.cuh) for a `megamoe bench gemm` case, and the
-same case with the producers alone (feed_only): where a K block's SM clocks go (WGMMA, promotion, the rest).
+same case with the producers alone (feed_only): where a K block's SM clocks go (WGMMA, promotion, the rest), and,
+per tile, the gap between its last K block and the next tile's first (the epilogue and the task switch).
 
 Usage: PYTHONPATH=python python3 scripts/trace_gemm.py [case index ...] [--knobs num_stages=5 ...] [--compile-only]
 """
@@ -41,6 +42,20 @@ def summarize(name: str, trace: torch.Tensor, first: int = 40, count: int = 200)
                                 for wg in range(t.shape[0])))
 
 
+def tile_gaps(trace: torch.Tensor, num_k_blocks: int) -> None:
+    """Per tile of CTA 0's first warpgroup: its first ready and last done (SM clocks after the first ready), and
+    the gap from the previous tile's last done to its first ready."""
+    t = trace[0].double()
+    base = t[0, 0].item()
+    for tile in range(t.shape[0] // num_k_blocks):
+        blocks = t[tile * num_k_blocks:(tile + 1) * num_k_blocks]
+        if blocks[-1, 2] == 0:
+            break
+        gap = f"{(blocks[0, 0] - t[tile * num_k_blocks - 1, 2]).item():6.0f}" if tile else "     -"
+        print(f"  tile {tile}: first ready {blocks[0, 0].item() - base:8.0f}, last done "
+              f"{blocks[-1, 2].item() - base:8.0f}, gap after the previous tile {gap}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("cases", type=int, nargs="*", default=[1, 3])
@@ -63,6 +78,7 @@ def main() -> None:
                 run_problem(problem, d, trace=trace)
             torch.cuda.synchronize()
             summarize(f"{case.name} {config.name}", trace.cpu())
+            tile_gaps(trace.cpu(), case.k // 128)
             # graphed, as `megamoe bench gemm` times it (eager launches are host-bound)
             us = time_us(graphed(lambda: run_problem(problem, d)))  # noqa: B023
             print(f"  whole kernel {us:.1f} us = {2 * case.num_groups * case.rows * case.n * case.k / us / 1e6:.0f} "
