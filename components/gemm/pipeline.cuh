@@ -73,7 +73,8 @@ struct Pipeline {
                                             uint64_t waited_ns) const {
         if (waited_ns != 0)
             megamoe_report_timeout<false, ReportSite::kInline>(env, "gemm_full", waited_ns, state.phase,
-                                          static_cast<int64_t>(full_barriers[state.stage]), state.stage);
+                                                               static_cast<int64_t>(full_barriers[state.stage]),
+                                                               state.stage);
     }
 
     // Consumer release: one arrival per math warp, after that warp's wgmma reads of the stage completed.

@@ -29,7 +29,6 @@ from megamoe.bench.results import CaseResult, Measurement, fmt, results_table
 from megamoe.bench.timing import HBM_READ_TBPS, l2_flusher, time_queued_us
 
 
-
 @dataclass(frozen=True)
 class FusedShape:
     """One bench shape on one rank: E local experts, H, I, top-k, the T it times by default, the buffer's T_max."""
@@ -195,7 +194,9 @@ def fused_kernel_configs(shape: str = "flash", tokens: Sequence[int] | None = No
 def expected_load(shape: FusedShape, num_tokens: int) -> float:
     """The expected rows per expert of a call of `num_tokens` tokens per rank (what a serving framework that knows
     its batch size passes as `expected_tokens_per_expert`, the same on every rank)."""
-    return max(num_tokens, 1) * shape.num_topk / shape.num_experts
+    from megamoe import heuristics
+
+    return heuristics.default_expected_tokens_per_expert(1, shape.num_experts, max(num_tokens, 1), shape.num_topk)
 
 
 def precompile_fused(shape: str = "flash") -> None:

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from megamoe.jit.compiler import CompileResult
 
-# The out-of-line timeout reporter (components/common/timeout.cuh) is the one function allowed local memory.
-# The out-of-line timeout report (components/common/timeout.cuh): cold, reached only on the way to a trap
+# The out-of-line timeout report (components/common/timeout.cuh: cold, reached only on the way to a trap) is the
+# one function allowed local memory.
 _DIAGNOSTIC_FUNCTIONS = ("report_timeout_noreturn",)
 _SERIALIZATION_NOTES = re.compile(r"C75(0[89]|1[0-9]|2[0-9])")
 
