@@ -6,6 +6,8 @@ data), promoted as the GEMM consumer does:
   none  accumulate in the WGMMA accumulator (no promotion: the tensor pipe's bound for this width)
   one   one partial: issue, wait, promote (acc += d * scale)
   two   two partials: block b runs while block b - 1's partial is promoted (gemm/consumer.cuh, L1 mode)
+  one64 as one, per 64-K half with its own scale (L2 mode's per-64 activation SF: twice the promotions)
+  two64 as two, per 64-K half: half h runs while half h - 1 is promoted (gemm/consumer.cuh, L2 mode)
 Each variant runs back to back for `--seconds` (after 1 s of warm-up) while nvidia-smi samples power and the SM
 clock; the burst rate is one launch after a 1 s idle gap. The GEMM's rate under the power cap is bounded by these.
 
@@ -29,7 +31,7 @@ from megamoe.jit import compiler, runtime
 @dataclass(frozen=True)
 class Variant:
     n: int
-    promote: str  # none | one | two
+    promote: str  # none | one | two | one64 | two64
 
     @property
     def name(self) -> str:
@@ -38,11 +40,12 @@ class Variant:
     @property
     def accum_regs(self) -> int:
         per = self.n // 2
-        return per * {"none": 1, "one": 2, "two": 3}[self.promote]
+        return per * {"none": 1, "one": 2, "two": 3, "one64": 2, "two64": 3}[self.promote]
 
 
 VARIANTS = (Variant(128, "none"), Variant(128, "one"), Variant(128, "two"),
-            Variant(192, "none"), Variant(192, "one"), Variant(256, "none"))
+            Variant(192, "none"), Variant(192, "one"), Variant(256, "none"), Variant(128, "one64"),
+            Variant(128, "two64"))
 NUM_CTAS = 132
 K_STEPS = 4  # wgmma k32 steps per 128-K block
 
@@ -63,14 +66,14 @@ __device__ __forceinline__ void mma(uint64_t desc_a, uint64_t desc_b, float (&d)
                  : "l"(desc_a), "l"(desc_b), "n"(kAccumulate ? 1 : 0));
 }}
 
-// One 128-K block into d: K_STEPS wgmma (the first overwrites d unless kKeep), committed as one group
-template <bool kKeep>
+// K steps [kFirst, kFirst + kSteps) of a 128-K block into d (the first overwrites d unless kKeep), one group
+template <bool kKeep, uint32_t kFirst = 0, uint32_t kSteps = {K_STEPS}>
 __device__ __forceinline__ void issue(uint64_t desc_a, uint64_t desc_b, float (&d)[{regs}]) {{
     ptx::wgmma_fence();
     #pragma unroll
-    for (uint32_t k = 0; k < {K_STEPS}; ++ k) {{
+    for (uint32_t k = kFirst; k < kFirst + kSteps; ++ k) {{
         const uint64_t a = ptx::advance_smem_desc(desc_a, k * 32), b = ptx::advance_smem_desc(desc_b, k * 32);
-        if (k == 0 and not kKeep) mma<false>(a, b, d); else mma<true>(a, b, d);
+        if (k == kFirst and not kKeep) mma<false>(a, b, d); else mma<true>(a, b, d);
     }}
     ptx::wgmma_commit_group();
 }}
@@ -78,6 +81,12 @@ __device__ __forceinline__ void issue(uint64_t desc_a, uint64_t desc_b, float (&
 __device__ __forceinline__ void promote(float (&acc)[{regs}], const float (&d)[{regs}], float s) {{
     #pragma unroll
     for (uint32_t i = 0; i < {regs}; ++ i) acc[i] = fmaf(d[i], s, acc[i]);
+}}
+
+// As the GEMM consumer promotes: a thread's accumulators hold two rows (r, r + 8), each with its own scale
+__device__ __forceinline__ void promote_rows(float (&acc)[{regs}], const float (&d)[{regs}], float s0, float s1) {{
+    #pragma unroll
+    for (uint32_t i = 0; i < {regs}; ++ i) acc[i] = fmaf(d[i], (i / 2) % 2 ? s1 : s0, acc[i]);
 }}
 
 extern "C" __global__ void __launch_bounds__(384, 1)
@@ -135,6 +144,37 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         ptx::fence_operands(d1);
     }}
     promote(acc, d1, s);
+""",
+        "one64": f"""
+    float d[{regs}];
+    #pragma unroll 1
+    for (uint32_t b = 0; b < num_blocks; ++ b) {{
+        issue<false, 0, 2>(desc_a, desc_b, d);
+        ptx::wgmma_wait_group<0>();
+        ptx::fence_operands(d);
+        promote_rows(acc, d, s, s + 1.0f);
+        issue<false, 2, 2>(desc_a, desc_b, d);
+        ptx::wgmma_wait_group<0>();
+        ptx::fence_operands(d);
+        promote_rows(acc, d, s + 2.0f, s + 3.0f);
+    }}
+""",
+        "two64": f"""
+    float d0[{regs}], d1[{regs}];
+    #pragma unroll
+    for (uint32_t i = 0; i < {regs}; ++ i) d1[i] = 0.0f;
+    #pragma unroll 1
+    for (uint32_t b = 0; b < num_blocks; ++ b) {{
+        issue<false, 0, 2>(desc_a, desc_b, d0);
+        promote_rows(acc, d1, s + 2.0f, s + 3.0f);
+        ptx::wgmma_wait_group<0>();
+        ptx::fence_operands(d0);
+        issue<false, 2, 2>(desc_a, desc_b, d1);
+        promote_rows(acc, d0, s, s + 1.0f);
+        ptx::wgmma_wait_group<0>();
+        ptx::fence_operands(d1);
+    }}
+    promote_rows(acc, d1, s + 2.0f, s + 3.0f);
 """,
     }[v.promote] + f"""
     float sum = 0.0f;
