@@ -56,6 +56,7 @@ struct FusedContext {
     dispatch::RecvTable table;
     TableCounts<T::kOffsetRecvTable> counts;
     typename T::Tasks tasks;
+    typename T::L2Tasks l2_tasks;
     using Handoff = L2Handoff<T::kNumMathThreads, kL2StagedBarrierIdx, kL2FreeBarrierIdx>;
 
     MEGAMOE_DEVICE FusedContext(const FusedMaps& maps_, const SymBuffer& sym_, const FusedParams& p_,
@@ -66,7 +67,7 @@ struct FusedContext {
           expert_count(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetExpertCount)),
           misc(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetMisc)),
           table(dispatch::make_recv_table(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetRecvTable))),
-          counts{}, tasks{smem_ + T::kOffsetTaskQueue} {}
+          counts{}, tasks{smem_ + T::kOffsetTaskQueue}, l2_tasks{smem_ + T::kOffsetL2TaskQueue} {}
 
     // After the head: this CTA's index and the grid size, from shared memory (utils.cuh: ld_volatile_shared)
     MEGAMOE_DEVICE uint32_t cta_idx() const { return ld_volatile_shared(misc + 1); }
@@ -114,8 +115,24 @@ MEGAMOE_DEVICE void dump_task(const FusedParams& p, uint32_t cta_idx, uint32_t p
     }
 }
 
-// TMA-A warp (lane 0 issues): walks the scheduler, pushes each task to the queue (before any wait on its
-// inputs: task_queue.cuh), then loads the activation tiles once their pool block is ready.
+// The global task indices of one CTA (fused_scheduler.cuh): its own CTA index first, then each next one from the
+// call's claim counter (the workspace header's scheduler word, zeroed by the tail's clean: combine/clean.cuh).
+// NOTES: the counter hands out gridDim.x, gridDim.x + 1, ... in order, so every index below a claimed one is
+// claimed; relaxed is enough, as nothing is published through it (each task's inputs have their own counters).
+// The claim for the next task is issued once the current task's A loads are issued, while the math warps still
+// have the ring's stages of it to consume.
+struct TaskClaims {
+    uint32_t* counter;
+    uint32_t num_ctas;
+
+    MEGAMOE_DEVICE uint32_t next() const {
+        return num_ctas + ptx::atom_add_relaxed<ptx::Scope::kGpu>(counter, 1u);
+    }
+};
+
+// TMA-A warp (lane 0 issues): claims tasks and walks the scheduler to them, pushes each task to the queue (before
+// any wait on its inputs: task_queue.cuh) and each L2 task to the scatter warp's queue, then loads the activation
+// tiles once their pool block is ready.
 template <typename T>
 MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
     if (lane_idx() != 0)
@@ -123,11 +140,17 @@ MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
     // (the tiered environments are built at each wait: kept live across the loop, they cost the warp's registers)
     gemm::PipelineState<T::kNumStages> state;
     gemm::PipelineState<T::kNumTaskSlots> queue_state;
-    FusedSchedulerOf<T> scheduler(ctx.counts, ctx.cta_idx(), ctx.num_ctas(), ctx.p.min_wave_l1_tiles);
+    gemm::PipelineState<T::kNumL2TaskSlots> l2_queue_state;
+    FusedSchedulerOf<T> scheduler(ctx.counts, ctx.p.min_wave_l1_tiles);
+    const TaskClaims claims{ctx.sym.template local<uint32_t>(layout::kWorkspaceHeaderOffset) +
+                                layout::kSchedulerCounterIdx, ctx.num_ctas()};
     FusedTask task;
     bool waited_all = false;
-    for (uint32_t task_count = 0; scheduler.next(task); ++ task_count) {
+    for (uint32_t task_count = 0, task_idx = ctx.cta_idx(); scheduler.seek(task_idx, task);
+         ++ task_count, task_idx = claims.next()) {
         ctx.tasks.push(tiered_env(ctx.env, kTierPipeline, kRoleProducer), queue_state, pack_task(task));
+        if (task.phase == FusedPhase::kL2)
+            ctx.l2_tasks.push(tiered_env(ctx.env, kTierPipeline, kRoleProducer), l2_queue_state, pack_task(task));
         const uint32_t pool_row = task.pool_block_idx * T::BLOCK_M;
         if (ctx.p.task_dump != nullptr)
             dump_task(ctx.p, ctx.cta_idx(), task_count, task);
@@ -153,6 +176,8 @@ MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
     }
     ctx.tasks.push(tiered_env(ctx.env, kTierPipeline, kRoleProducer), queue_state,
                    make_uint4(kEndOfTasks, 0, 0, 0));
+    ctx.l2_tasks.push(tiered_env(ctx.env, kTierPipeline, kRoleProducer), l2_queue_state,
+                      make_uint4(kEndOfTasks, 0, 0, 0));
 }
 
 // TMA-B warp (lane 0 issues): the weight tiles of each queued task.
@@ -244,21 +269,20 @@ MEGAMOE_DEVICE void count_tile(const FusedContext<T>& ctx, const QueuedTask& tas
 }
 
 // The scatter warp (dispatch warp 0 once its pulls are done): every L2 tile of this CTA's task list, in order, as
-// the math warpgroups stage it (l2_handoff.cuh). Every lane walks the same list as the TMA-A warp.
-// NOTES: no deadlock: this warp waits only for the math warps of its CTA, which stage every L2 tile of the list
-// before any wait of their reduce; the reduce's waits for this warp's signals then wait for nothing that waits for
-// them. The pull came first, so no pull waits for an L2 tile either (5c).
+// the math warpgroups stage it (l2_handoff.cuh). Every lane pops the CTA's L2 tasks from the TMA-A warp's L2 queue.
+// NOTES: no deadlock: this warp waits only for the TMA-A warp, which pushes each L2 task before any wait on its
+// inputs and never waits for this warp (fused_traits.cuh: kNumL2TaskSlots), and for the math warps of its CTA,
+// which stage every L2 tile of the list before any wait of their reduce; the reduce's waits for this warp's
+// signals then wait for nothing that waits for them. The pull came first, so no pull waits for an L2 tile either
+// (5c).
 template <typename T>
 MEGAMOE_DEVICE void scatter_role(const FusedContext<T>& ctx) {
     using Handoff = typename FusedContext<T>::Handoff;
     const uint32_t lane = lane_idx();
     const uint8_t* staging = ctx.smem + T::kOffsetStaging;
-    FusedSchedulerOf<T> scheduler(ctx.counts, ctx.cta_idx(), ctx.num_ctas(), ctx.p.min_wave_l1_tiles);
-    FusedTask next;
-    while (scheduler.next(next)) {
-        if (next.phase != FusedPhase::kL2)
-            continue;
-        const QueuedTask task{pack_task(next)};
+    gemm::PipelineState<T::kNumL2TaskSlots> l2_queue_state;
+    for (QueuedTask task = ctx.l2_tasks.pop(tiered_env(ctx.env, kTierPipeline, kRoleDispatch), l2_queue_state);
+         task.valid(); task = ctx.l2_tasks.pop(tiered_env(ctx.env, kTierPipeline, kRoleDispatch), l2_queue_state)) {
         Handoff::wait_staged();
         scatter_tile<T>(ctx, task, staging, lane);
         Handoff::release();
@@ -270,14 +294,21 @@ MEGAMOE_DEVICE void scatter_role(const FusedContext<T>& ctx) {
 // scatters the L2 tiles.
 template <typename T>
 MEGAMOE_DEVICE void dispatch_role(const FusedContext<T>& ctx, uint32_t warp) {
+    if ((ctx.p.debug_flags & kDebugDelayPull) != 0 and ctx.cta_idx() % 2 == 1) {
+        const uint64_t start_ns = globaltimer_ns();
+        while (globaltimer_ns() - start_ns < kDebugPullDelayNs)
+            __nanosleep(1000);
+    }
     dispatch::pull_rows_pipelined<T::BLOCK_M, T::kPullStages, false>(
         tiered_env(ctx.env, kTierPeer, kRoleDispatch), ctx.sym, ctx.table,
         ctx.smem + T::kOffsetPull + warp * T::kPullStages * dispatch::kPullStageBytes,
         ctx.pull_barriers + warp * T::kPullStages, ctx.cta_idx() * kNumDispatchWarps + warp,
         ctx.num_ctas() * kNumDispatchWarps);
     PhaseTimer{ctx.p.phase_times}.mark(kMarkPull, lane_idx());
-    if (warp == 0)
+    if (warp == 0) {
         scatter_role<T>(ctx);
+        PhaseTimer{ctx.p.phase_times}.mark(kMarkL2Done, lane_idx());
+    }
 }
 
 // The top-k reduce of this rank's tokens: the 8 warps of both math warpgroups of every CTA.

@@ -1,4 +1,4 @@
-// Task sequence of the fused kernel (megamoe/scheduler.py models it: `iterate_sm` walks exactly this order).
+// Task sequence of the fused kernel (megamoe/scheduler.py models it: `task_sequence`, walked as `iterate_sm` does).
 //
 // The local experts are cut into waves of consecutive experts: a wave closes after the first expert that brings
 // its L1 tile count to at least `min_wave_l1_tiles` (a launch parameter: megamoe/heuristics.py
@@ -8,16 +8,21 @@
 // (expert-major, then m-block, then n-block: pool blocks in pull order, since the pull walks the receive table in
 // expert order), then every L2 tile of the wave's experts (per expert M-major: m then n; or N-major: n then m).
 // Every CTA reads the same table, so every CTA cuts the same waves.
-// CTA s takes global task indices s, s + gridDim.x, ... (static striding across waves and phases). The per-expert
-// row counts come from the receive table in shared memory built in this launch (never __ldg of counts written in
-// this launch: DESIGN 5c).
+// The tasks are claimed, not strided: CTA s starts with global index s, then each next index comes from the call's
+// claim counter (assembler/fused_roles.cuh: TaskClaims), so a CTA that runs slower takes fewer tiles. Measured on
+// the H200 with static striding (s, s + gridDim.x, ...): every CTA had the same tile count, but single SMs ran their
+// L2 tiles up to 30% slower (9 against 12 us at T 4096) and the call waited 90-130 us for the last CTA (notes/fused.md).
+// The per-expert row counts come from the receive table in shared memory built in this launch (never __ldg of
+// counts written in this launch: DESIGN 5c).
 //
 // NOTES: deadlock freedom. The fused kernel's waits, and why none can close a cycle:
 // - the pull (dispatch warps) waits only for its own bulk loads from the peers' inputs: never on the GEMM;
 // - an L1 tile's A producer waits for its pool block's arrival count (the pull only);
 // - an L2 tile's A producer waits for the L1 tiles of its pool block, which come earlier in the global sequence
-//   (all L1 tiles of a wave precede its L2 tiles); each CTA runs its tasks in increasing global index and every
-//   CTA is resident (cooperative launch), so by induction on the global index every tile completes;
+//   (all L1 tiles of a wave precede its L2 tiles); each CTA runs its tasks in increasing global index, every
+//   index below a claimed one is claimed too (the first gridDim.x by the CTAs' first tasks, the rest handed out in
+//   order by the counter) and every CTA is resident (cooperative launch), so by induction on the global index
+//   every tile completes: the lowest unfinished one heads its CTA's list and its inputs have lower indices;
 // - a math warpgroup publishes its last L1 tile before waiting for any L2 input and sends every L2 signal
 //   before its top-k reduce waits for combine rows; the reduce waits only for L2 tiles (of every rank), which
 //   wait for nothing the reduce holds;
@@ -46,8 +51,6 @@ template <uint32_t BLOCK_M, uint32_t kNumL1NBlocks, uint32_t kNumL2NBlocks, uint
           typename Counts>
 struct FusedScheduler {
     Counts counts;
-    uint32_t task_idx;               // the next global index this CTA takes
-    uint32_t stride;                 // CTAs in the grid
     uint32_t min_wave_l1_tiles;      // a wave closes once its L1 tiles reach this
     uint32_t wave_begin = 0;         // first expert of the current wave
     uint32_t wave_end = 0;           // one past its last expert (0: not yet cut)
@@ -57,9 +60,8 @@ struct FusedScheduler {
     uint32_t wave_pool_block = 0;    // pool block of the current wave's first expert
     uint32_t expert_pool_block = 0;  // pool block of the current expert's first m-block
 
-    MEGAMOE_DEVICE FusedScheduler(const Counts& counts_, uint32_t first_task_idx, uint32_t num_ctas,
-                                  uint32_t min_wave_l1_tiles_)
-        : counts(counts_), task_idx(first_task_idx), stride(num_ctas), min_wave_l1_tiles(min_wave_l1_tiles_) {}
+    MEGAMOE_DEVICE FusedScheduler(const Counts& counts_, uint32_t min_wave_l1_tiles_)
+        : counts(counts_), min_wave_l1_tiles(min_wave_l1_tiles_) {}
 
     // One past the last expert of the wave that starts at `begin` (at least one expert)
     MEGAMOE_DEVICE uint32_t cut_wave(uint32_t begin) const {
@@ -69,8 +71,9 @@ struct FusedScheduler {
         return end;
     }
 
-    // The next task of this CTA; false once past the last task.
-    MEGAMOE_DEVICE bool next(FusedTask& task) {
+    // The task at global index `task_idx`, which is at least the previous call's (the walk only moves forward);
+    // false once past the last task.
+    MEGAMOE_DEVICE bool seek(uint32_t task_idx, FusedTask& task) {
         while (wave_begin < kNumExperts) {
             if (wave_end == 0)
                 wave_end = cut_wave(wave_begin);
@@ -90,7 +93,6 @@ struct FusedScheduler {
                     task.n_block_idx = n_major ? local_idx / num_m : local_idx % num_n;
                     task.pool_block_idx = expert_pool_block + task.m_block_idx;
                     task.num_valid_rows = min(BLOCK_M, num_rows - task.m_block_idx * BLOCK_M);
-                    task_idx += stride;
                     return true;
                 }
                 expert_begin_idx = expert_end_idx;

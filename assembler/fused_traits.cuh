@@ -58,6 +58,7 @@ struct FusedTraits {
     //   misc         16 B: the NVLink barrier ordinal read at kernel start (for the tail: nothing computed before
     //                the role split stays live in registers across it), the CTA index and the grid size
     //   task_queue   task_queue.cuh: kNumTaskSlots tasks from the TMA-A warp to the TMA-B and math warps
+    //   l2_queue     kNumL2TaskSlots of the CTA's claimed L2 tasks from the TMA-A warp to the scatter warp
     using L1Staging = epilogue::L1Staging<BLOCK_M>;
     using L2Staging = epilogue::L2Staging<BLOCK_M>;
     static constexpr uint32_t kOffsetStaging = align_up<uint32_t>(L2::kSmemBytes, 1024);
@@ -73,7 +74,13 @@ struct FusedTraits {
     static constexpr uint32_t kNumTaskSlots = 4;
     using Tasks = TaskQueue<kNumTaskSlots>;
     static constexpr uint32_t kOffsetTaskQueue = kOffsetMisc + 16;
-    static constexpr uint32_t kSmemBytes = kOffsetTaskQueue + Tasks::kBytes;
+    // The scatter warp learns its CTA's L2 tasks from the TMA-A warp, which claims them (fused_scheduler.cuh). It
+    // is at most one L2 task behind the math warps (l2_handoff.cuh), which are at most kNumTaskSlots behind the
+    // TMA-A warp: with two slots more, a push never waits for the scatter warp.
+    static constexpr uint32_t kNumL2TaskSlots = kNumTaskSlots + 4;
+    using L2Tasks = TaskQueue<kNumL2TaskSlots>;
+    static constexpr uint32_t kOffsetL2TaskQueue = kOffsetTaskQueue + Tasks::kBytes;
+    static constexpr uint32_t kSmemBytes = kOffsetL2TaskQueue + L2Tasks::kBytes;
     static_assert(kSmemBytes <= kSmemLimit, "shared memory over the SM90 per-block limit");
     static_assert(kPullStages >= 1 and kPullStages <= 8, "1..8 rows in flight per dispatch warp");
 };
@@ -85,7 +92,7 @@ struct FusedParams {
     void* y;              // BF16 [T, H]
     int32_t* recv_stats;  // [E_local] or nullptr: += rows received per local expert
     uint32_t num_tokens;  // T of this rank
-    uint32_t debug_flags; // kDebugHangAtDispatchBarrier
+    uint32_t debug_flags; // kDebugHangAtDispatchBarrier | kDebugDelayPull
     float clamp;          // activation clamp (read only when compiled with it)
     uint32_t task_dump_capacity;  // tasks per CTA that task_dump holds
     uint32_t* task_dump;  // debug, or nullptr: per CTA [1 + capacity x 4] u32, the TMA-A warp's task list
@@ -95,17 +102,22 @@ struct FusedParams {
     unsigned long long* phase_times;  // profiling, or nullptr: common/phase_timer.cuh, the FusedPhaseMark phases
 };
 
-// The phases the fused kernel marks when handed a phase_times buffer (megamoe/fused/launch.py: PHASES), each
-// the earliest and the latest mark over the CTAs' marking warps: kernel start and head done (warp 0); pulls done
-// (each dispatch warp: the latest is the last pool block's arrival); every L1 tile's and every L2 tile's A load
-// issued, once its input is ready (the TMA-A warp: the earliest L1 mark is the first L1 tile's start, the latest
-// L2 mark the last L2 tile's start); tiles and reduce done (the first math warp, after its role); kernel end
-// (warp 0).
+// The phases the fused kernel marks when handed a phase_times buffer (megamoe/fused/launch.py: PHASES), each the
+// earliest and the latest mark over the CTAs' marking warps: kernel start and head done (warp 0); pulls done (each
+// dispatch warp: the latest is the last pool block's arrival); every L1 tile's and every L2 tile's A load issued,
+// once its input is ready (the TMA-A warp: the earliest L1 mark is the first L1 tile's start, the latest L2 mark the
+// last L2 tile's start); L2 tiles sent and signalled (each CTA's scatter warp); tiles and reduce done (the first
+// math warp, after its role); kernel end (warp 0).
 enum FusedPhaseMark : uint32_t {
-    kMarkStart = 0, kMarkHead, kMarkPull, kMarkL1Start, kMarkL2Start, kMarkReduce, kMarkEnd, kNumPhaseMarks
+    kMarkStart = 0, kMarkHead, kMarkPull, kMarkL1Start, kMarkL2Start, kMarkL2Done, kMarkReduce, kMarkEnd,
+    kNumPhaseMarks
 };
 
 constexpr uint32_t kDebugHangAtDispatchBarrier = 1u;  // the dispatch barrier waits for an unreachable value
+// Stress (debug): the dispatch warps of every odd CTA start their pulls kDebugPullDelayNs late, so that half the pool
+// blocks arrive long after the GEMM started on the others (the tiles wait on arrival counts mid-call)
+constexpr uint32_t kDebugDelayPull = 2u;
+constexpr uint64_t kDebugPullDelayNs = 200000;
 
 // The tensor maps (each a __grid_constant__ kernel parameter; pointers to them here).
 struct FusedMaps {

@@ -10,8 +10,8 @@
 namespace megamoe::assembler {
 
 // One staging area, one L2 tile in flight, two named barriers over the math threads and the scatter warp, which
-// walks the CTA's task list itself (the scheduler is a function of the receive table: fused_scheduler.cuh), so
-// nothing but the rows passes between the two sides:
+// learns the CTA's L2 tasks from the TMA-A warp's L2 queue (fused_roles.cuh: scatter_role), so nothing but the rows
+// passes between the two sides:
 //   "staged"  per L2 tile: the math threads arrive after their staging writes, the scatter warp syncs;
 //   "free"    per L2 tile: the scatter warp arrives after its last read of the rows, the math threads sync before
 //             they next write the staging area (the next tile's epilogue, L1 or L2, or at the end of the list).

@@ -57,7 +57,7 @@ def test_phases_table() -> None:
 
     def case(first_l1: float) -> bf.FusedCaseResult:
         marks = {"start": (0, 0), "head": (10, 12), "pull": (15, 80), "l1_start": (first_l1, 90),
-                 "l2_start": (40, 150), "reduce": (160, 170), "end": (175, 180)}
+                 "l2_start": (40, 150), "l2_done": (60, 158), "reduce": (160, 170), "end": (175, 180)}
         return bf.FusedCaseResult(case=f"T 1024 seed {first_l1}", shape="flash", tokens=1024, seed=0,
                                   experts_touched=32, max_rows=200, rows=6144, floor_us=184.7, block_m=128,
                                   y_rel_l2=4e-3, serial_equals_overlapped=True, warmup=1, iters=1,

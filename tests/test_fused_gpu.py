@@ -7,6 +7,7 @@ them). Measured values are printed: run with -s."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -14,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from megamoe import reference, weights  # noqa: E402
 from megamoe.buffer import allocate  # noqa: E402
-from megamoe.layout import SymmLayout  # noqa: E402
+from megamoe.layout import WORKSPACE_HEADER_FIELDS, SymmLayout  # noqa: E402
 
 # The layouts (R, E, T_max, topk, H, I) and orders the gpu tests launch; the compile test below builds them
 SMALL_LAYOUTS = [(1, 8, 128, 6, 1024, 512), (1, 32, 128, 8, 2048, 1024)]
@@ -25,6 +26,16 @@ FLASH_LAYOUT = (1, 32, 4096, 6, 4096, 2048)
 MAX_Y_REL_L2 = 1e-2
 WORKSPACE_COUNTERS = ("expert_send_count", "expert_recv_count", "l1_arrival_count", "l1_done_count",
                       "l2_done_count", "combine_arrival_count")
+# The workspace header's word of the task claims (assembler/fused_roles.cuh: TaskClaims), cleaned by every call too
+SCHEDULER_WORD = next(first for name, first, _ in WORKSPACE_HEADER_FIELDS if name == "scheduler_counter")
+
+
+def assert_workspace_clean(buf: Any, what: str) -> None:
+    """Every counter a call uses is back at zero (the kernel's own clean: combine/clean.cuh)."""
+    for name in WORKSPACE_COUNTERS:
+        assert not bool(buf.view(name).view(torch.int32).ne(0).any()), f"{what}: {name} not cleaned"
+    claims = int(buf.view("workspace_header").view(torch.int32)[SCHEDULER_WORD])
+    assert claims == 0, f"{what}: the task-claim counter not cleaned ({claims})"
 
 
 def _seed() -> int:
@@ -64,8 +75,7 @@ def _call(case, buf, l1, l2, num_tokens: int, **kwargs):
     y = torch.full((num_tokens, buf.hidden), float("nan"), dtype=torch.bfloat16, device=buf.device)
     config = fused.run(y, l1, l2, buf, num_tokens, **kwargs)
     torch.cuda.synchronize()
-    for name in WORKSPACE_COUNTERS:
-        assert not bool(buf.view(name).view(torch.int32).ne(0).any()), f"{name} not cleaned"
+    assert_workspace_clean(buf, config.name)
     return y, config
 
 
@@ -148,8 +158,7 @@ def test_fused_matches_reference(num_tokens: int, num_experts: int, num_topk: in
         print(f"seed {seed} {config.name} call {call}: y rel-L2 {err:.3e}")
         assert torch.isfinite(y).all(), f"seed {seed}: y holds non-finite values"
         assert err <= MAX_Y_REL_L2, f"seed {seed}: y rel-L2 {err:.3e} > {MAX_Y_REL_L2}"
-        for name in WORKSPACE_COUNTERS:
-            assert not bool(buf.view(name).view(torch.int32).ne(0).any()), f"seed {seed}: {name} not cleaned after call {call}"
+        assert_workspace_clean(buf, f"seed {seed} call {call}")
 
 
 @pytest.mark.gpu
@@ -158,9 +167,10 @@ def test_fused_matches_reference(num_tokens: int, num_experts: int, num_topk: in
     (1, 100, 132, 0), (2, 1021, 132, 2**32 - 1), (2, 300, 66, 500)])
 def test_fused_task_order_matches_model(layout_idx: int, num_tokens: int, num_sms: int,
                                         wave_tiles: int | None) -> None:
-    """The device scheduler (assembler/fused_scheduler.cuh) against megamoe.scheduler.iterate_sm, CTA by CTA and
-    tile by tile: the TMA-A warp's task list dumped by a debug buffer, for grids of 132, 66 and 8 CTAs, with the
-    default wave fill and with one expert per wave, one wave, and a target between; y checked as in every call."""
+    """The device scheduler (assembler/fused_scheduler.cuh) and its task claims against megamoe.scheduler's global
+    sequence: the TMA-A warp's task list of every CTA dumped by a debug buffer, each CTA starting at its own index,
+    in increasing order, every task once (scheduler.check_claims), for grids of 132, 66 and 8 CTAs, with the default
+    wave fill and with one expert per wave, one wave, and a target between; y checked as in every call."""
     from megamoe import heuristics, scheduler
     from megamoe.fused.launch import dumped_tasks
 
@@ -177,18 +187,17 @@ def test_fused_task_order_matches_model(layout_idx: int, num_tokens: int, num_sm
     assert err <= MAX_Y_REL_L2, f"seed {seed} {config.name}: y rel-L2 {err:.3e} > {MAX_Y_REL_L2}"
     idx = case.topk_idx[0]
     counts = torch.bincount(idx[idx >= 0].flatten().cpu(), minlength=num_experts).tolist()
-    got = dumped_tasks(dump)
-    for sm_idx in range(num_sms):
-        expected = [(t.phase, t.expert_idx, t.m_block_idx, t.n_block_idx, t.pool_block_idx)
-                    for t in scheduler.iterate_sm(sm_idx, counts, block_m=config.block_m,
-                                                  num_l1_n_blocks=2 * intermediate // 128,
-                                                  num_l2_n_blocks=hidden // 128,
-                                                  min_wave_l1_tiles=wave_tiles,
-                                                  num_sms=num_sms, n_major_l2=config.n_major_l2)]
-        assert got[sm_idx] == expected, (f"seed {seed} {config.name}: CTA {sm_idx} ran {len(got[sm_idx])} tasks, "
-                                         f"the model {len(expected)}; first difference at "
-                                         f"{next((i for i, (a, b) in enumerate(zip(got[sm_idx], expected)) if a != b), None)}")
-    print(f"seed {seed} {config.name}: {sum(len(t) for t in got)} tasks on {num_sms} CTAs match the model")
+    got = [[scheduler.Task(*t) for t in tasks] for tasks in dumped_tasks(dump)]
+    sequence = scheduler.task_sequence(counts, block_m=config.block_m, num_l1_n_blocks=2 * intermediate // 128,
+                                       num_l2_n_blocks=hidden // 128, min_wave_l1_tiles=wave_tiles,
+                                       n_major_l2=config.n_major_l2)
+    try:
+        scheduler.check_claims(got, sequence)
+    except scheduler.ScheduleError as error:
+        pytest.fail(f"seed {seed} {config.name}: {error}")
+    per_cta = sorted(len(t) for t in got)
+    print(f"seed {seed} {config.name}: {len(sequence)} tasks on {num_sms} CTAs as the model's sequence claims them "
+          f"({per_cta[0]}-{per_cta[-1]} per CTA)")
 
 
 # Phase by phase on random inputs (the seed's Phase 2-5 milestones): the pool, the L2 activations and the combine

@@ -1,4 +1,5 @@
-"""Wave scheduler model: every tile exactly once, per-SM walk equals the global striding, no deadlock."""
+"""Wave scheduler model: every tile exactly once, per-SM walk equals the global striding, no deadlock, and the
+claimed per-SM lists the device produces (check_claims)."""
 from __future__ import annotations
 
 import random
@@ -8,6 +9,7 @@ import pytest
 from megamoe.scheduler import (
     ScheduleError,
     Task,
+    check_claims,
     check_schedule,
     iterate_sm,
     num_m_blocks,
@@ -150,6 +152,45 @@ def test_check_schedule_catches_errors() -> None:
     broken[0][0] = Task(t.phase, t.expert_idx, t.m_block_idx, t.n_block_idx, t.pool_block_idx + 1)
     with pytest.raises(ScheduleError, match="pool_block_idx"):
         check_schedule(broken, counts, **kwargs)
+
+
+def _claimed(sequence: list[Task], rates: list[float]) -> list[list[Task]]:
+    """The device's claims (assembler/fused_roles.cuh: TaskClaims), simulated: SM s runs index s first, then the
+    SM that finishes its task first (1 / rate per task) claims the next unclaimed index."""
+    per_sm: list[list[Task]] = [[sequence[s]] if s < len(sequence) else [] for s in range(len(rates))]
+    free_at = [1.0 / r if s < len(sequence) else 0.0 for s, r in enumerate(rates)]
+    for task in sequence[len(rates):]:
+        s = min(range(len(rates)), key=lambda i: free_at[i])
+        per_sm[s].append(task)
+        free_at[s] += 1.0 / rates[s]
+    return per_sm
+
+
+def test_check_claims() -> None:
+    rng = random.Random(11)
+    for routing in ROUTINGS.values():
+        for block_m, num_l1_n, num_l2_n, wave_tiles, num_sms in GEOMETRIES:
+            sequence = task_sequence(routing, block_m=block_m, num_l1_n_blocks=num_l1_n, num_l2_n_blocks=num_l2_n,
+                                     min_wave_l1_tiles=wave_tiles, n_major_l2=True)
+            # Equal rates claim exactly the static striding; one slow SM (a third of the rate) takes fewer tasks
+            equal = _claimed(sequence, [1.0] * num_sms)
+            check_claims(equal, sequence)
+            assert equal == schedule(routing, block_m=block_m, num_l1_n_blocks=num_l1_n, num_l2_n_blocks=num_l2_n,
+                                     min_wave_l1_tiles=wave_tiles, num_sms=num_sms, n_major_l2=True)
+            check_claims(_claimed(sequence, [rng.uniform(0.5, 1.5) for _ in range(num_sms)]), sequence)
+    sequence = task_sequence([40, 70], block_m=32, num_l1_n_blocks=2, num_l2_n_blocks=2, min_wave_l1_tiles=0,
+                             n_major_l2=False)
+    good = _claimed(sequence, [1.0, 0.3, 1.0])
+    assert len(good[1]) < len(good[0])
+    check_claims(good, sequence)
+    with pytest.raises(ScheduleError, match="never ran"):
+        check_claims([good[0], good[1], good[2][:-1]], sequence)
+    with pytest.raises(ScheduleError, match="twice"):
+        check_claims([good[0], good[1], good[2] + [good[0][-1]]], sequence)
+    with pytest.raises(ScheduleError, match="out of global order"):
+        check_claims([good[0][:1] + good[0][1:][::-1], good[1], good[2]], sequence)
+    with pytest.raises(ScheduleError, match="own index"):
+        check_claims([good[1], good[0], good[2]], sequence)
 
 
 def test_argument_validation() -> None:

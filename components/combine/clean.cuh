@@ -32,11 +32,14 @@ MEGAMOE_DEVICE void clean_recv_counts(const SymBuffer& sym, uint32_t thread_idx)
 // again in this kernel; the next call runs after the kernel boundary. combine_arrival_count: every row of this
 // call was counted before its reducing warp passed its wait, and every CTA's reduce (with the overlapped reduce,
 // the barrier comes after it) ended before its arrival; the peers' next rows come after this barrier and
-// the next call's dispatch barrier.
+// the next call's dispatch barrier. The scheduler word (the fused kernel's task claims): every CTA's last claim came
+// before its arrival too.
 template <uint32_t kNumThreads>
 MEGAMOE_DEVICE void clean_local_counters(const SymBuffer& sym, uint32_t cta_idx, uint32_t num_ctas,
                                          uint32_t thread_idx) {
     const uint32_t thread_rank = cta_idx * kNumThreads + thread_idx, num_threads = num_ctas * kNumThreads;
+    if (thread_rank == 0)
+        sym.local<uint32_t>(layout::kWorkspaceHeaderOffset)[layout::kSchedulerCounterIdx] = 0u;
     zero_words(sym.local<uint32_t>(layout::kExpertSendCountOffset), layout::kNumExperts, thread_rank, num_threads);
     zero_words(sym.local<uint32_t>(layout::kL1ArrivalCountOffset), layout::kNumMaxPoolBlocks, thread_rank,
                num_threads);

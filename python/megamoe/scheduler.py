@@ -2,9 +2,12 @@
 at large loads): which tiles each SM computes, in which order, and why that order cannot deadlock; and the pool
 layout every kernel shares (`pool_offsets`, `num_pool_blocks`).
 
-The fused kernel's device scheduler, assembler/fused_scheduler.cuh (FusedScheduler::next), walks this order the
-way `iterate_sm` does (no global list, per-expert counts from the receive table in shared memory); a GPU test that
-dumps each CTA's task list and compares it with this model (tests/test_fused_gpu.py). Other device orders:
+The fused kernel's device scheduler, assembler/fused_scheduler.cuh (FusedScheduler::seek), walks this global
+order the way `iterate_sm` does (no global list, per-expert counts from the receive table in shared memory), but
+the indices a CTA runs are claimed at run time (assembler/fused_roles.cuh: TaskClaims): CTA s starts at index s,
+then takes the next unclaimed index whenever it is ready for one, so the per-CTA lists are those of `schedule` only
+when every CTA runs at the same rate. A GPU test dumps each CTA's task list and holds it to `check_claims`
+(tests/test_fused_gpu.py). Other device orders:
 components/gemm/tile_scheduler.cuh, the standalone GEMM's (expert-major, bands of band_m m-blocks, n-block-major
 inside a band), and assembler/expert_ffn_scheduler.cuh, the expert-FFN unit kernel's (every L1 tile in that order,
 then every L2 tile: this model's order for one wave of all local experts with M-major L2 when band_m = 1).
@@ -13,13 +16,14 @@ Global task sequence: the local experts are cut into waves of consecutive expert
 after the first expert that brings its L1 tile count to at least `min_wave_l1_tiles`; the last wave takes what
 remains), decided from the received counts, as the device does; for each wave, first every L1 task of the wave
 (expert-major, then m-block, then n-block), then every L2 task of the wave (per expert; M-major: m then n, N-major:
-n then m). SM s takes global indices s, s + num_sms,
-s + 2*num_sms, ... (static striding that continues across waves and phases).
+n then m). In `schedule` and `iterate_sm`, SM s takes global indices s, s + num_sms, s + 2*num_sms, ... (static
+striding that continues across waves and phases): the device's claims when every CTA runs at the same rate.
 
 No deadlock: an L2 task (expert, m) waits for every L1 task (expert, m) (the pool block's `l1_done_count` reaching
 num_l1_n_blocks). All L1 tasks of a wave precede its L2 tasks in the global sequence, so every dependency has a
-smaller global index; each SM executes its tasks in increasing global index, so by induction on the global index
-every task completes. `check_schedule` asserts this property on a concrete schedule.
+smaller global index; each SM executes its tasks in increasing global index and every index below a claimed one is
+claimed, so by induction on the global index every task completes. `check_schedule` asserts this property on a
+static schedule, `check_claims` on claimed lists.
 """
 from __future__ import annotations
 
@@ -305,3 +309,27 @@ def check_schedule(
                 f"at {last_l1_idx[dep_key]}"
             )
     return num_tasks
+
+
+def check_claims(per_sm: Sequence[Sequence[Task]], sequence: Sequence[Task]) -> None:
+    """Assert per-SM task lists are what the device's claims can produce from the global `sequence`
+    (`task_sequence`): SM s starts with global index s (when there is one), each list runs in increasing global
+    index, and the lists together hold every task of the sequence exactly once. Raises ScheduleError."""
+    position = {task: idx for idx, task in enumerate(sequence)}
+    seen: set[Task] = set()
+    for sm_idx, tasks in enumerate(per_sm):
+        indices = []
+        for task in tasks:
+            if task not in position:
+                raise ScheduleError(f"SM {sm_idx}: {task} is not a task of the sequence")
+            if task in seen:
+                raise ScheduleError(f"SM {sm_idx}: {task} (global {position[task]}) ran twice")
+            seen.add(task)
+            indices.append(position[task])
+        if sm_idx < len(sequence) and indices[:1] != [sm_idx]:
+            raise ScheduleError(f"SM {sm_idx} started at global index {indices[:1]}, not at its own index")
+        if any(b <= a for a, b in zip(indices, indices[1:])):
+            raise ScheduleError(f"SM {sm_idx} ran its tasks out of global order: {indices}")
+    if len(seen) != len(sequence):
+        missing = [position[task] for task in sequence if task not in seen]
+        raise ScheduleError(f"{len(missing)} tasks never ran, e.g. global indices {missing[:4]}")

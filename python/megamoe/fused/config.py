@@ -18,6 +18,8 @@ L1_OUTPUT_COLS = 64  # one interleaved 128-column L1 tile yields 64 output colum
 DEFAULT_PULL_STAGES = 2
 NUM_TASK_SLOTS = 4  # assembler/task_queue.cuh: FusedTraits::kNumTaskSlots
 TASK_QUEUE_BYTES = NUM_TASK_SLOTS * 16 + 2 * NUM_TASK_SLOTS * MBARRIER_BYTES
+NUM_L2_TASK_SLOTS = NUM_TASK_SLOTS + 4  # FusedTraits::kNumL2TaskSlots: the scatter warp's queue of L2 tasks
+L2_TASK_QUEUE_BYTES = NUM_L2_TASK_SLOTS * 16 + 2 * NUM_L2_TASK_SLOTS * MBARRIER_BYTES
 
 
 def pull_stage_bytes(hidden: int) -> int:
@@ -60,7 +62,7 @@ class FusedConfig:
                              f"(limit {SMEM_CAPACITY_BYTES}, at least {MIN_NUM_STAGES} stages)")
 
     # Shared-memory plan (FusedTraits):
-    # [ring][staging][pull][pull barriers][expert count][receive table][misc][task queue]
+    # [ring][staging][pull][pull barriers][expert count][receive table][misc][task queue][L2 task queue]
     @property
     def stage_bytes(self) -> int:
         """One GEMM stage: A (64 rows at least), B, SFA sized for L2's two per-64 SFs, its two barriers."""
@@ -112,8 +114,12 @@ class FusedConfig:
         return self.misc_offset + 16
 
     @property
-    def smem_bytes(self) -> int:
+    def l2_task_queue_offset(self) -> int:
         return self.task_queue_offset + TASK_QUEUE_BYTES
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.l2_task_queue_offset + L2_TASK_QUEUE_BYTES
 
     @property
     def name(self) -> str:

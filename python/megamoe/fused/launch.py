@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from megamoe.weights import WeightPair
 
 DEBUG_HANG_AT_DISPATCH_BARRIER = 1  # assembler/fused_traits.cuh: kDebugHangAtDispatchBarrier
+DEBUG_DELAY_PULL = 2  # assembler/fused_traits.cuh: kDebugDelayPull
 
 
 class FusedParamsStruct(ctypes.Structure):
@@ -32,7 +33,7 @@ assert ctypes.sizeof(FusedParamsStruct) == 72
 
 # The phases the kernel marks into a PhaseTimes (assembler/fused_traits.cuh: FusedPhaseMark), each the earliest and
 # the latest mark over the CTAs
-PHASES = ("start", "head", "pull", "l1_start", "l2_start", "reduce", "end")
+PHASES = ("start", "head", "pull", "l1_start", "l2_start", "l2_done", "reduce", "end")
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -81,11 +82,14 @@ def prepare(buf: SymmBuffer, *, activation_clamp: float | None = None, fast_math
 def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_tokens: int, *,
         recv_stats: torch.Tensor | None = None, activation_clamp: float | None = None, fast_math: bool = True,
         expected_tokens_per_expert: float | None = None, serial: bool = False, num_sms: int | None = None,
-        debug_hang: bool = False, timeout_s: float | None = None, task_dump: torch.Tensor | None = None,
+        debug_hang: bool = False, debug_delay_pull: bool = False, timeout_s: float | None = None,
+        task_dump: torch.Tensor | None = None,
         min_wave_l1_tiles: int | None = None, phase_times: PhaseTimes | None = None,
         pull_stages: int = DEFAULT_PULL_STAGES, stream: torch.cuda.Stream | None = None) -> FusedConfig:
     """Launch the fused kernel for this rank's first `num_tokens` tokens in `buf` (arguments already validated:
     megamoe.api.validate_fused_args). Collective over buf.group: every rank launches the same variant.
+    debug_hang (debug): the dispatch barrier waits for an unreachable value (the timeout's report and trap).
+    debug_delay_pull (stress): the odd CTAs' dispatch warps start their pulls 200 us late.
     task_dump (debug): int32 [grid, 1 + 4 capacity], filled with each CTA's task list (`dumped_tasks` reads it).
     min_wave_l1_tiles: the waves' fill target (default heuristics.min_wave_l1_tiles_for(grid)).
     phase_times (profiling): a jit.diagnostics.PhaseTimes(PHASES, device), filled with the phases' marks.
@@ -107,7 +111,8 @@ def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_to
                              f"got {task_dump.dtype} {tuple(task_dump.shape)} on {task_dump.device}")
         capacity = (task_dump.shape[1] - 1) // 4
     params = FusedParamsStruct(_ptr(l1[1]), _ptr(l2[1]), _ptr(y) if num_tokens else 0, _ptr(recv_stats), num_tokens,
-                               DEBUG_HANG_AT_DISPATCH_BARRIER if debug_hang else 0,
+                               (DEBUG_HANG_AT_DISPATCH_BARRIER if debug_hang else 0) |
+                               (DEBUG_DELAY_PULL if debug_delay_pull else 0),
                                activation_clamp if activation_clamp is not None else 0.0, capacity, _ptr(task_dump),
                                heuristics.min_wave_l1_tiles_for(grid) if min_wave_l1_tiles is None
                                else min_wave_l1_tiles, 0, phase_times.device_ptr if phase_times is not None else 0)

@@ -27,6 +27,8 @@ static_assert(Traits::kOffsetStaging == {config.staging_offset}u, "host and devi
 static_assert(Traits::kOffsetPull == {config.pull_offset}u, "host and device disagree on the pull offset");
 static_assert(Traits::kOffsetRecvTable == {config.recv_table_offset}u, "host and device disagree on the table");
 static_assert(Traits::kOffsetTaskQueue == {config.task_queue_offset}u, "host and device disagree on the task queue");
+static_assert(Traits::kOffsetL2TaskQueue == {config.l2_task_queue_offset}u,
+              "host and device disagree on the L2 task queue");
 static_assert(megamoe::dispatch::kPullStageBytes == {pull_stage_bytes(config.layout.hidden)}u,
               "host and device disagree on the pull stage");
 
