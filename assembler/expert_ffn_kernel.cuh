@@ -83,10 +83,10 @@ struct ExpertFfnParams {
 struct ExpertFfnMaps {
     const CUtensorMap* l1_a;       // pool [P, H] e4m3, box {128, BLOCK_M}, 128 B swizzle
     const CUtensorMap* l1_sfa;     // [H/128][P] f32, box {BLOCK_M, 1}
-    const CUtensorMap* w1;         // [E * 2I, H] e4m3, box {128, 128}, 128 B swizzle
+    const uint8_t* w1;             // [E, 2I, H] e4m3 in the tile layout (gemm/producer.cuh: produce_b_tile)
     const CUtensorMap* l2_a;       // L2 activations [P, I] e4m3, box {128, BLOCK_M}, 128 B swizzle
     const CUtensorMap* l2_sfa;     // [I/64][P] f32, box {BLOCK_M, 2}
-    const CUtensorMap* w2;         // [E * H, I] e4m3, box {128, 128}, 128 B swizzle
+    const uint8_t* w2;             // [E, H, I] e4m3 in the tile layout
     const CUtensorMap* act_store;  // L2 activations [P, I] e4m3, box {64, BLOCK_M}, no swizzle
 };
 
@@ -121,10 +121,8 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
         MEGAMOE_DEVICE_ASSERT(smem_addr(smem_buffer) % 1024 == 0);
         ptx::prefetch_tensormap(maps.l1_a);
         ptx::prefetch_tensormap(maps.l1_sfa);
-        ptx::prefetch_tensormap(maps.w1);
         ptx::prefetch_tensormap(maps.l2_a);
         ptx::prefetch_tensormap(maps.l2_sfa);
-        ptx::prefetch_tensormap(maps.w2);
         ptx::prefetch_tensormap(maps.act_store);
         pipeline.init(2, L1::kNumMathWarps);
         ptx::fence_mbarrier_init();
@@ -149,10 +147,10 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 }
             } else if (task.phase == Phase::kL1) {
                 gemm::produce_b_tile<L1>(pipeline, state, smem_l1, maps.w1,
-                                         tile.expert_idx * L1::SHAPE_N + tile.n_block_idx * L1::BLOCK_N, env);
+                                         tile.expert_idx * L1::kNumNBlocks + tile.n_block_idx, env);
             } else {
                 gemm::produce_b_tile<L2>(pipeline, state, smem_l2, maps.w2,
-                                         tile.expert_idx * L2::SHAPE_N + tile.n_block_idx * L2::BLOCK_N, env);
+                                         tile.expert_idx * L2::kNumNBlocks + tile.n_block_idx, env);
             }
         }
     };

@@ -35,10 +35,8 @@ MEGAMOE_DEVICE void fused_head(const FusedContext<T>& ctx) {
     if (thread_idx == 0) {
         ptx::prefetch_tensormap(ctx.maps.l1_a);
         ptx::prefetch_tensormap(ctx.maps.l1_sfa);
-        ptx::prefetch_tensormap(ctx.maps.w1);
         ptx::prefetch_tensormap(ctx.maps.l2_a);
         ptx::prefetch_tensormap(ctx.maps.l2_sfa);
-        ptx::prefetch_tensormap(ctx.maps.w2);
         ptx::prefetch_tensormap(ctx.maps.act_store);
         ctx.pipeline.init(2, T::kNumMathWarps);
         ctx.tasks.init(T::kNumMathThreads + 1);  // every math thread and the TMA-B warp's lane pop

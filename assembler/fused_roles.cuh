@@ -191,11 +191,11 @@ MEGAMOE_DEVICE void tma_b_role(const FusedContext<T>& ctx) {
          task.valid(); task = ctx.tasks.pop(tiered_env(ctx.env, kTierPipeline, kRoleProducer), queue_state)) {
         if (task.phase() == FusedPhase::kL1)
             gemm::produce_b_tile<typename T::L1>(ctx.pipeline, state, ctx.smem_l1, ctx.maps.w1,
-                                                 task.expert_idx() * T::L1::SHAPE_N + task.n_block_idx() * 128,
+                                                 task.expert_idx() * T::kNumL1NBlocks + task.n_block_idx(),
                                                  tiered_env(ctx.env, kTierPipeline, kRoleProducer));
         else
             gemm::produce_b_tile<typename T::L2>(ctx.pipeline, state, ctx.smem_l2, ctx.maps.w2,
-                                                 task.expert_idx() * T::L2::SHAPE_N + task.n_block_idx() * 128,
+                                                 task.expert_idx() * T::kNumL2NBlocks + task.n_block_idx(),
                                                  tiered_env(ctx.env, kTierPipeline, kRoleProducer));
     }
 }

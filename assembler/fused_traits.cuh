@@ -119,14 +119,15 @@ constexpr uint32_t kDebugHangAtDispatchBarrier = 1u;  // the dispatch barrier wa
 constexpr uint32_t kDebugDelayPull = 2u;
 constexpr uint64_t kDebugPullDelayNs = 200000;
 
-// The tensor maps (each a __grid_constant__ kernel parameter; pointers to them here).
+// The tensor maps (each a __grid_constant__ kernel parameter; pointers to them here) and the weights, which the
+// TMA-B warp loads with non-tensor bulk copies (gemm/producer.cuh: produce_b_tile).
 struct FusedMaps {
     const CUtensorMap* l1_a;       // pool [P, H] e4m3, box {128, BLOCK_M}, 128 B swizzle
     const CUtensorMap* l1_sfa;     // [H/128][P] f32, box {BLOCK_M, 1}
-    const CUtensorMap* w1;         // [E_local * 2I, H] e4m3, box {128, 128}, 128 B swizzle
+    const uint8_t* w1;             // [E_local, 2I, H] e4m3 in the tile layout (megamoe/weights.py: tile_weights)
     const CUtensorMap* l2_a;       // L2 activations [P, I] e4m3, box {128, BLOCK_M}, 128 B swizzle
     const CUtensorMap* l2_sfa;     // [I/64][P] f32, box {BLOCK_M, 2}
-    const CUtensorMap* w2;         // [E_local * H, I] e4m3, box {128, 128}, 128 B swizzle
+    const uint8_t* w2;             // [E_local, H, I] e4m3 in the tile layout
     const CUtensorMap* act_store;  // L2 activations [P, I] e4m3, box {64, BLOCK_M}, no swizzle
 };
 

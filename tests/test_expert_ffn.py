@@ -121,7 +121,7 @@ def _emulate(problem: tef.FfnProblem, noise: float, seed: int = 0) -> ef.FfnOutp
         if outputs.l1_acc is not None:
             outputs.l1_acc[rows] = h
         w2_scales = ref._l2_scales(problem.inputs.w2_sf[e])
-        outputs.out[rows] = ref.block_scaled_matmul(q, sf, problem.inputs.w2[e], w2_scales, 64).to(torch.bfloat16)
+        outputs.out[rows] = ref.block_scaled_matmul(q, sf, problem.case.l2_weights[0][e], w2_scales, 64).to(torch.bfloat16)
     return outputs
 
 
@@ -162,7 +162,7 @@ def _recompute_out(p: tef.FfnProblem, o: ef.FfnOutputs, expert: int) -> None:
     """What the L2 GEMM makes of (corrupted) activations: the corruption must be caught on the activations."""
     rows = p.rows(expert)
     sf = o.l2_acts_sf[:, rows].t().contiguous()
-    o.out[rows] = ref.block_scaled_matmul(o.l2_acts[rows], sf, p.inputs.w2[expert],
+    o.out[rows] = ref.block_scaled_matmul(o.l2_acts[rows], sf, p.case.l2_weights[0][expert],
                                           ref._l2_scales(p.inputs.w2_sf[expert]), 64).to(torch.bfloat16)
 
 

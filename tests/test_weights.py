@@ -1,13 +1,17 @@
 """cpu tier: the weight transform is a pure permutation with the layout of DESIGN section 4."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from megamoe.weights import (
     inverse_transform_weights,
     l1_interleave_permutation,
+    tile_weights,
     transform_weights,
+    untile_weights,
     validate_weights,
 )
 
@@ -55,14 +59,36 @@ def test_transform_moves_rows_and_keeps_the_rest() -> None:
     inter = w1.shape[1] // 2
     (t1, t1_sf), (t2, t2_sf) = transform_weights(l1, l2)
     assert t1.dtype == FP8 and t1.shape == w1.shape and t1.is_contiguous()
-    assert t1.data_ptr() != w1.data_ptr()
-    assert same_bytes(t1[:, 0:8], w1[:, 0:8])
-    assert same_bytes(t1[:, 8:16], w1[:, inter:inter + 8])       # interleaved rows 8..15 = up rows 0..7
-    assert same_bytes(t1[:, 16:24], w1[:, 8:16])
-    assert same_bytes(t1[:, 2 * inter - 8:], w1[:, 2 * inter - 8:])
-    # Scales and L2 are the same tensors (documented: no copy).
-    assert t1_sf is w1_sf and t2 is w2 and t2_sf is w2_sf
-    assert same_bytes(t1, w1[:, l1_interleave_permutation(inter)])
+    assert t2.dtype == FP8 and t2.shape == w2.shape and t2.is_contiguous()
+    assert t1.data_ptr() != w1.data_ptr() and t2.data_ptr() != w2.data_ptr()
+    r1 = untile_weights(t1)
+    assert same_bytes(r1[:, 0:8], w1[:, 0:8])
+    assert same_bytes(r1[:, 8:16], w1[:, inter:inter + 8])       # interleaved rows 8..15 = up rows 0..7
+    assert same_bytes(r1[:, 16:24], w1[:, 8:16])
+    assert same_bytes(r1[:, 2 * inter - 8:], w1[:, 2 * inter - 8:])
+    # Scales are the same tensors (documented: no copy); w1 interleaved then tiled, w2 tiled.
+    assert t1_sf is w1_sf and t2_sf is w2_sf
+    assert same_bytes(t1, tile_weights(w1[:, l1_interleave_permutation(inter)]))
+    assert same_bytes(t2, tile_weights(w2))
+
+
+def test_tile_layout() -> None:
+    """Byte (e, n, k) of a row-major [E, N, K] sits at ((e * N/128 + n // 128) * K/128 + k // 128) * 16 KB +
+    (n % 128) * 128 + ((k % 128 // 16) ^ (n % 8)) * 16 + k % 16 in the tile layout (the 128 B swizzle of a
+    128 x 128 B shared-memory block); untile_weights inverts it."""
+    rng = random.Random(3)
+    w = torch.randint(0, 256, (2, 256, 384), dtype=torch.uint8).view(FP8)
+    tiled = tile_weights(w).view(torch.uint8).flatten()
+    natural = w.view(torch.uint8)
+    e_, n_, k_ = w.shape
+    for _ in range(4000):
+        e, n, k = rng.randrange(e_), rng.randrange(n_), rng.randrange(k_)
+        offset = ((e * (n_ // 128) + n // 128) * (k_ // 128) + k // 128) * 16384 + (n % 128) * 128 + \
+            ((k % 128 // 16) ^ (n % 8)) * 16 + k % 16
+        assert tiled[offset] == natural[e, n, k], (e, n, k)
+    assert same_bytes(untile_weights(tile_weights(w)), w)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        tile_weights(w[:, :, :200].contiguous())
 
 
 def test_inverse_restores_bitwise() -> None:
@@ -70,11 +96,12 @@ def test_inverse_restores_bitwise() -> None:
     t1, t2 = transform_weights(l1, l2)
     (b1, b1_sf), (b2, b2_sf) = inverse_transform_weights(t1, t2)
     assert same_bytes(b1, l1[0]) and b1_sf is l1[1]
-    assert b2 is l2[0] and b2_sf is l2[1]
+    assert same_bytes(b2, l2[0]) and b2_sf is l2[1]
     # And the other way round: transform(inverse(w)) == w.
     i1, i2 = inverse_transform_weights(l1, l2)
     assert same_bytes(transform_weights(i1, i2)[0][0], l1[0])
-    assert not same_bytes(t1[0], l1[0])  # the transform does move rows
+    assert same_bytes(transform_weights(i1, i2)[1][0], l2[0])
+    assert not same_bytes(t1[0], l1[0]) and not same_bytes(t2[0], l2[0])  # the transform does move bytes
 
 
 def test_validate_weights_returns_shapes() -> None:

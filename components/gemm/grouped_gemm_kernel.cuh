@@ -96,7 +96,7 @@ MEGAMOE_DEVICE void store_tile_bf16(const float (&acc)[WGMMA::kNumAccum], const 
 template <typename T, uint32_t kNumExperts, uint32_t kBandM, bool kPrefetch, bool kTrace = false,
           bool kFeedOnly = false>
 MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUtensorMap* tensor_map_sfa,
-                                      const CUtensorMap* tensor_map_b, const float* w_sf,
+                                      const uint8_t* b_tiles, const float* w_sf,
                                       const int* num_tokens_per_expert, __nv_bfloat16* d, const DeviceEnv& env,
                                       unsigned long long* trace = nullptr) {
     using Scheduler = GroupedTileScheduler<T::BLOCK_M, T::kNumNBlocks, kNumExperts, kBandM>;
@@ -110,7 +110,6 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
         MEGAMOE_DEVICE_ASSERT(smem_addr(smem_buffer) % 1024 == 0);
         ptx::prefetch_tensormap(tensor_map_a);
         ptx::prefetch_tensormap(tensor_map_sfa);
-        ptx::prefetch_tensormap(tensor_map_b);
         pipeline.init(2, T::kNumMathWarps);
         ptx::fence_mbarrier_init();
     }
@@ -127,8 +126,8 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
             if (is_tma_a)
                 produce_a_tile<T>(pipeline, state, smem, tensor_map_a, tensor_map_sfa, tile.pool_row, env);
             else
-                produce_b_tile<T>(pipeline, state, smem, tensor_map_b,
-                                  tile.expert_idx * T::SHAPE_N + tile.n_block_idx * T::BLOCK_N, env);
+                produce_b_tile<T>(pipeline, state, smem, b_tiles, tile.expert_idx * T::kNumNBlocks + tile.n_block_idx,
+                                  env);
         }
     };
     // Math warpgroups: accumulate each tile, store it

@@ -1,7 +1,11 @@
-"""Weight layout of the fused kernel (DESIGN section 4): the L1 gate/up row interleave, and weight validation.
+"""Weight layout of the fused kernel (DESIGN section 4): the L1 gate/up row interleave, the tile layout, and weight
+validation.
 
-The transform is a pure row permutation of w1, given by `l1_interleave_permutation`; its inverse uses the same
-permutation, so `inverse_transform_weights(*transform_weights(l1, l2))` gives back the inputs bit for bit.
+The transform is a pure permutation of the bytes: w1's rows are interleaved (`l1_interleave_permutation`), then w1
+and w2 are stored in the tile layout (`tile_weights`), in which each 128-row x 128-column block of an expert's
+[N, K] matrix is 16 KB of consecutive bytes, already in the 128 B swizzle of the kernels' shared-memory stages, so
+that the kernels load it with one non-tensor bulk copy (components/gemm/producer.cuh: produce_b_tile).
+`inverse_transform_weights(*transform_weights(l1, l2))` gives back the inputs bit for bit.
 """
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ __all__ = [
     "WeightShapes",
     "inverse_transform_weights",
     "l1_interleave_permutation",
+    "tile_weights",
     "transform_weights",
+    "untile_weights",
     "validate_weights",
 ]
 
@@ -110,17 +116,55 @@ def _permute_rows(w1: Tensor, perm: Tensor) -> Tensor:
     return w1.view(torch.uint8).index_select(1, perm.to(w1.device)).view(w1.dtype)
 
 
-def transform_weights(l1_weights: WeightPair, l2_weights: WeightPair) -> tuple[WeightPair, WeightPair]:
-    """Natural weights -> the fused kernel's layout: ((w1_interleaved, w1_sf), (w2, w2_sf)).
+# The tile layout: blocks of TILE_ROWS rows x TILE_BYTES bytes, 16 B chunks swizzled within each row by the row's
+# index mod 8 (the TMA's and WGMMA's 128 B swizzle: chunk c of row r sits at position c ^ (r % 8))
+TILE_ROWS = TILE_BYTES = 128
+SWIZZLE_CHUNK = 16
 
-    w1's rows are interleaved in groups of 8 (`l1_interleave_permutation`) into a new contiguous tensor. w1_sf, w2
-    and w2_sf are returned as the same tensor objects (no copy): scales stay in the natural
-    [E_local, N/128, K/128] layout, L2 is unchanged.
+
+def _tile_view(w: Tensor) -> Tensor:
+    """[E, N, K] e4m3 as uint8 [E, N/128, 16, 8, K/128, 8, 16]: (expert, n block, row group, row mod 8, k block,
+    16 B chunk, byte)."""
+    e, n, k = w.shape
+    if n % TILE_ROWS or k % TILE_BYTES:
+        raise ValueError(f"the tile layout needs N and K multiples of {TILE_ROWS}, got shape {tuple(w.shape)}")
+    return w.view(torch.uint8).view(e, n // TILE_ROWS, TILE_ROWS // 8, 8, k // TILE_BYTES, 8, SWIZZLE_CHUNK)
+
+
+def _swizzle_index(device: torch.device) -> Tensor:
+    """int64 [8, 8]: position c of row r (mod 8) holds chunk c ^ r."""
+    r = torch.arange(8, device=device)
+    return r.view(8, 1) ^ r.view(1, 8)
+
+
+def tile_weights(w: Tensor) -> Tensor:
+    """e4m3 [E, N, K] row-major -> the same shape in the tile layout: for each expert, n block and k block (in that
+    order) 16 KB = 128 rows of 128 B, the 16 B chunks of row r in the order c ^ (r % 8). A new tensor."""
+    x = _tile_view(w.contiguous()).permute(0, 1, 4, 2, 3, 5, 6)  # [e, nb, kb, rg, r8, chunk, byte]
+    index = _swizzle_index(w.device).view(1, 1, 1, 1, 8, 8, 1).expand(*x.shape[:6], SWIZZLE_CHUNK)
+    return torch.gather(x, 5, index).contiguous().view(w.dtype).view(w.shape)
+
+
+def untile_weights(w: Tensor) -> Tensor:
+    """The inverse of `tile_weights`: the tile layout -> row-major, same shape. A new tensor."""
+    e, n, k = w.shape
+    x = w.contiguous().view(torch.uint8).view(e, n // TILE_ROWS, k // TILE_BYTES, TILE_ROWS // 8, 8, 8, SWIZZLE_CHUNK)
+    index = _swizzle_index(w.device).view(1, 1, 1, 1, 8, 8, 1).expand(*x.shape[:6], SWIZZLE_CHUNK)
+    x = torch.gather(x, 5, index)  # the swizzle by r % 8 is its own inverse (c ^ r ^ r = c)
+    return x.permute(0, 1, 3, 4, 2, 5, 6).contiguous().view(w.dtype).view(w.shape)
+
+
+def transform_weights(l1_weights: WeightPair, l2_weights: WeightPair) -> tuple[WeightPair, WeightPair]:
+    """Natural weights -> the fused kernel's layout: ((w1_tiled, w1_sf), (w2_tiled, w2_sf)).
+
+    w1's rows are interleaved in groups of 8 (`l1_interleave_permutation`), then w1 and w2 are stored in the tile
+    layout (`tile_weights`), each a new contiguous tensor of the original shape. w1_sf and w2_sf are returned as the
+    same tensor objects (no copy): scales stay in the natural [E_local, N/128, K/128] layout.
     """
     shapes = validate_weights(l1_weights, l2_weights)
     w1, w1_sf = l1_weights
     perm = l1_interleave_permutation(shapes.intermediate, device=shapes.device)
-    return (_permute_rows(w1, perm), w1_sf), (l2_weights[0], l2_weights[1])
+    return (tile_weights(_permute_rows(w1, perm)), w1_sf), (tile_weights(l2_weights[0]), l2_weights[1])
 
 
 def inverse_transform_weights(l1_weights: WeightPair, l2_weights: WeightPair) -> tuple[WeightPair, WeightPair]:
@@ -128,4 +172,5 @@ def inverse_transform_weights(l1_weights: WeightPair, l2_weights: WeightPair) ->
     shapes = validate_weights(l1_weights, l2_weights)
     w1, w1_sf = l1_weights
     perm = l1_interleave_permutation(shapes.intermediate, device=shapes.device)
-    return (_permute_rows(w1, torch.argsort(perm)), w1_sf), (l2_weights[0], l2_weights[1])
+    return ((_permute_rows(untile_weights(w1), torch.argsort(perm)), w1_sf),
+            (untile_weights(l2_weights[0]), l2_weights[1]))

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megamoe.fused.config import BLOCK_K, BLOCK_N, DEFAULT_PULL_STAGES, L1_OUTPUT_COLS, FusedConfig, config_for
+from megamoe.fused.config import BLOCK_K, DEFAULT_PULL_STAGES, L1_OUTPUT_COLS, FusedConfig, config_for
 from megamoe.fused.source import compile_fused
 from megamoe import heuristics
 from megamoe.heuristics import NUM_THREADS
@@ -41,18 +41,19 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def tensor_maps(config: FusedConfig, buf: SymmBuffer, l1: WeightPair, l2: WeightPair) -> list:
-    """The seven maps of FusedMaps, in its order."""
+    """The seven entries of FusedMaps, in its order: tensor maps, and the weights' addresses (tile layout)."""
+    from megamoe.jit import runtime
     from megamoe.jit.runtime import TensorMap
 
-    bm, lay = config.block_m, buf.layout
+    bm = config.block_m
     l2_acts = buf.view("l2_acts")
     return [
         TensorMap(buf.view("l1_acts"), bm, BLOCK_K, swizzle_bytes=128),
         TensorMap(buf.view("l1_acts_sf"), 1, bm),
-        TensorMap(l1[0].view(-1, lay.hidden), BLOCK_N, BLOCK_K, swizzle_bytes=128),
+        runtime.ptr(l1[0]),
         TensorMap(l2_acts, bm, BLOCK_K, swizzle_bytes=128),
         TensorMap(buf.view("l2_acts_sf"), 2, bm),
-        TensorMap(l2[0].view(-1, lay.intermediate), BLOCK_N, BLOCK_K, swizzle_bytes=128),
+        runtime.ptr(l2[0]),
         TensorMap(l2_acts, bm, L1_OUTPUT_COLS),
     ]
 

@@ -35,15 +35,15 @@ static_assert(megamoe::dispatch::kPullStageBytes == {pull_stage_bytes(config.lay
 extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
 {config.name}(const __grid_constant__ CUtensorMap tensor_map_l1_a,
               const __grid_constant__ CUtensorMap tensor_map_l1_sfa,
-              const __grid_constant__ CUtensorMap tensor_map_w1,
+              const uint8_t* w1,
               const __grid_constant__ CUtensorMap tensor_map_l2_a,
               const __grid_constant__ CUtensorMap tensor_map_l2_sfa,
-              const __grid_constant__ CUtensorMap tensor_map_w2,
+              const uint8_t* w2,
               const __grid_constant__ CUtensorMap tensor_map_act_store,
               const __grid_constant__ megamoe::SymBuffer sym, const megamoe::assembler::FusedParams params,
               const megamoe::DeviceEnv env) {{
-    const megamoe::assembler::FusedMaps maps{{&tensor_map_l1_a, &tensor_map_l1_sfa, &tensor_map_w1,
-                                              &tensor_map_l2_a, &tensor_map_l2_sfa, &tensor_map_w2,
+    const megamoe::assembler::FusedMaps maps{{&tensor_map_l1_a, &tensor_map_l1_sfa, w1,
+                                              &tensor_map_l2_a, &tensor_map_l2_sfa, w2,
                                               &tensor_map_act_store}};
     megamoe::assembler::fused_impl<Traits>(maps, sym, params, env);
 }}

@@ -130,16 +130,16 @@ static_assert(Traits::kOffsetStaging == {config.staging_offset}, "host and devic
 extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
 {config.name}(const __grid_constant__ CUtensorMap tensor_map_l1_a,
               const __grid_constant__ CUtensorMap tensor_map_l1_sfa,
-              const __grid_constant__ CUtensorMap tensor_map_w1,
+              const uint8_t* w1,
               const __grid_constant__ CUtensorMap tensor_map_l2_a,
               const __grid_constant__ CUtensorMap tensor_map_l2_sfa,
-              const __grid_constant__ CUtensorMap tensor_map_w2,
+              const uint8_t* w2,
               const __grid_constant__ CUtensorMap tensor_map_act_store,
               const float* w1_sf, const float* w2_sf, const int* num_tokens_per_expert, const float* topk_weights,
               float* act_sf, uint32_t* l1_done_count, __nv_bfloat16* out, float* l1_acc, uint32_t num_pool_rows,
               float clamp, const megamoe::DeviceEnv env) {{
-    const megamoe::assembler::ExpertFfnMaps maps{{&tensor_map_l1_a, &tensor_map_l1_sfa, &tensor_map_w1,
-                                                  &tensor_map_l2_a, &tensor_map_l2_sfa, &tensor_map_w2,
+    const megamoe::assembler::ExpertFfnMaps maps{{&tensor_map_l1_a, &tensor_map_l1_sfa, w1,
+                                                  &tensor_map_l2_a, &tensor_map_l2_sfa, w2,
                                                   &tensor_map_act_store}};
     const megamoe::assembler::ExpertFfnParams params{{w1_sf, w2_sf, num_tokens_per_expert, topk_weights, act_sf,
                                                      l1_done_count, out, l1_acc, num_pool_rows, clamp}};
@@ -162,9 +162,9 @@ class FfnInputs:
     l1_acts: Tensor               # e4m3 [P, H]
     l1_acts_sf: Tensor            # f32 [H/128, P] MN-major
     topk_weights: Tensor          # f32 [P]
-    w1: Tensor                    # e4m3 [E, 2I, H], gate/up interleaved (transform_weights)
+    w1: Tensor                    # e4m3 [E, 2I, H], gate/up interleaved, in the tile layout (transform_weights)
     w1_sf: Tensor                 # f32 [E, 2I/128, H/128]
-    w2: Tensor                    # e4m3 [E, H, I]
+    w2: Tensor                    # e4m3 [E, H, I] in the tile layout (transform_weights)
     w2_sf: Tensor                 # f32 [E, H/128, I/128]
     num_tokens_per_expert: Tensor  # int32 [E] on the device
 
@@ -258,15 +258,16 @@ def run(config: ExpertFfnConfig, inputs: FfnInputs, outputs: FfnOutputs, *, acti
 
 
 def _tensor_maps(config: ExpertFfnConfig, inputs: FfnInputs, outputs: FfnOutputs) -> list:
+    from megamoe.jit import runtime
     from megamoe.jit.runtime import TensorMap
 
     bm = config.block_m
     return [
         TensorMap(inputs.l1_acts, bm, BLOCK_K, swizzle_bytes=128),
         TensorMap(inputs.l1_acts_sf, 1, bm),
-        TensorMap(inputs.w1.view(-1, config.hidden), BLOCK_N, BLOCK_K, swizzle_bytes=128),
+        runtime.ptr(inputs.w1),
         TensorMap(outputs.l2_acts, bm, BLOCK_K, swizzle_bytes=128),
         TensorMap(outputs.l2_acts_sf, 2, bm),
-        TensorMap(inputs.w2.view(-1, config.intermediate), BLOCK_N, BLOCK_K, swizzle_bytes=128),
+        runtime.ptr(inputs.w2),
         TensorMap(outputs.l2_acts, bm, L1_OUTPUT_COLS),
     ]

@@ -97,11 +97,11 @@ static_assert(megamoe::gemm::OutputStaging<Traits>::kKernelSmemBytes == {config.
 
 extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
 {config.name}(const __grid_constant__ CUtensorMap tensor_map_a, const __grid_constant__ CUtensorMap tensor_map_sfa,
-              const __grid_constant__ CUtensorMap tensor_map_b, const float* w_sf, const int* num_tokens_per_expert,
+              const uint8_t* b_tiles, const float* w_sf, const int* num_tokens_per_expert,
               __nv_bfloat16* d, const megamoe::DeviceEnv env, unsigned long long* trace) {{
     megamoe::gemm::grouped_gemm_impl<Traits, {config.num_experts}, {config.band_m}, {_cpp_bool(config.prefetch)},
                                      {_cpp_bool(config.trace)}, {_cpp_bool(config.feed_only)}>(
-        &tensor_map_a, &tensor_map_sfa, &tensor_map_b, w_sf, num_tokens_per_expert, d, env, trace);
+        &tensor_map_a, &tensor_map_sfa, b_tiles, w_sf, num_tokens_per_expert, d, env, trace);
 }}
 """
 
@@ -116,7 +116,8 @@ def run(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor
     """d[pool rows of expert e] = promoted(A_e @ B_e^T) for the valid rows of each expert.
 
     a: e4m3 [P, K] pool (expert e's rows from pool_offsets(counts, block_m)[e]); a_sf: f32 MN-major SF pool
-    [K/128, P] (l1) or [K/64, P] (l2); b: e4m3 [E, N, K]; b_sf: f32 [E, N/128, K/128];
+    [K/128, P] (l1) or [K/64, P] (l2); b: e4m3 [E, N, K] in the tile layout (weights.tile_weights; L1: rows
+    gate/up interleaved before tiling); b_sf: f32 [E, N/128, K/128];
     num_tokens_per_expert: int32 [E] on the device; d: bf16 [P, N].
     trace (config.trace variants): int64 [2, KBLOCK_TRACE_LEN, KBLOCK_TRACE_EVENTS], clock64 readings of CTA 0's
     K blocks per math warpgroup (stage ready, issue, last group done; gemm/kblock_trace.cuh).
@@ -142,7 +143,7 @@ def run(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor
     if num_pool_rows % 4:
         raise ValueError(f"the pool's row count must be a multiple of 4 (MN-major SF rows of 16 B), got {num_pool_rows}")
     kernel = runtime.kernel_for(compile_gemm, config, NUM_THREADS)
-    maps = _tensor_maps(config, a, a_sf, b)
+    maps = _tensor_maps(config, a, a_sf) + [runtime.ptr(b)]
     env = timeout_records().device_env(rank=0)
     kernel.launch(num_blocks or runtime.num_sms(a.device),
                   [*maps, runtime.ptr(b_sf), runtime.ptr(num_tokens_per_expert), runtime.ptr(d), env,
@@ -150,11 +151,10 @@ def run(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor
                   config.smem_bytes, device=a.device)
 
 
-def _tensor_maps(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor) -> list:
+def _tensor_maps(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor) -> list:
     from megamoe.jit.runtime import TensorMap
 
     return [
         TensorMap(a, config.block_m, BLOCK_K, swizzle_bytes=128),
         TensorMap(a_sf, config.sf_per_k_block, config.block_m),
-        TensorMap(b.view(-1, config.k), BLOCK_N, BLOCK_K, swizzle_bytes=128),
     ]

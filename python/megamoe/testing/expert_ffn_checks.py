@@ -174,7 +174,7 @@ def compare(problem: FfnProblem, outputs: FfnOutputs) -> FfnReport:
             own_codes.add(q, sf, own_act, own_q, own_sf)
 
         # L2 outputs: against the recomputation from the kernel's own activations, and against the reference
-        w2, w2_sf = problem.inputs.w2[e], problem.inputs.w2_sf[e]
+        w2, w2_sf = problem.case.l2_weights[0][e], problem.case.l2_weights[1][e]  # natural (the kernel's are tiled)
         recomputed = ref.block_scaled_matmul(q, sf, w2, ref._l2_scales(w2_sf), 64)
         got = outputs.out[rows]
         out_mismatches += int((got.view(torch.int16) != recomputed.to(torch.bfloat16).view(torch.int16)).sum())

@@ -17,7 +17,7 @@ class GemmProblem:
     offsets: list[int]
     a: torch.Tensor          # e4m3 [P, K] pool; padding rows hold random values (their results are discarded)
     a_sf: torch.Tensor       # f32 [K/128 or K/64, P] MN-major
-    b: torch.Tensor          # e4m3 [E, N, K] as the kernel reads it (L1: gate/up interleaved)
+    b: torch.Tensor          # e4m3 [E, N, K] as the kernel reads it (L1: gate/up interleaved; the tile layout)
     b_sf: torch.Tensor       # f32 [E, N/128, K/128] natural
     b_natural: torch.Tensor  # e4m3 [E, N, K] before the transform (L1) or b itself (L2)
     counts_device: torch.Tensor
@@ -49,7 +49,7 @@ def make_problem(config: GemmConfig, counts: list[int], *, small_int: bool, devi
     """Fresh random inputs. small_int: small-integer FP8 and power-of-two scales (DESIGN section 4, check 0),
     so every product and partial sum is exact and the result must match bit for bit."""
     from megamoe import quant
-    from megamoe.weights import l1_interleave_permutation
+    from megamoe.weights import l1_interleave_permutation, tile_weights
 
     if len(counts) != config.num_experts:
         raise ValueError(f"counts must have {config.num_experts} entries, got {len(counts)}")
@@ -71,6 +71,7 @@ def make_problem(config: GemmConfig, counts: list[int], *, small_int: bool, devi
     if config.mode == "l1":
         perm = l1_interleave_permutation(n // 2, device=device)
         b_kernel = b.view(torch.uint8)[:, perm].contiguous().view(torch.float8_e4m3fn)
+    b_kernel = tile_weights(b_kernel)
     counts_device = torch.tensor(counts, dtype=torch.int32, device=device)
     return GemmProblem(config, list(counts), offsets, a, a_sf.contiguous(), b_kernel, b_sf, b, counts_device)
 
