@@ -26,7 +26,7 @@ DECODE, PREFILL_768, PREFILL = bench_ffn.FFN_CASES
 def test_cases_are_the_issue_loads() -> None:
     for case in (DECODE, PREFILL):
         assert (case.num_experts, case.hidden, case.intermediate) == (32, 4096, 2048)
-    assert (DECODE.rows, DECODE.block_m, PREFILL.rows, PREFILL.block_m) == (24, 64, 1536, 128)
+    assert (DECODE.rows, DECODE.block_m, PREFILL.rows, PREFILL.block_m) == (24, 32, 1536, 128)
     assert (PREFILL_768.rows, PREFILL_768.block_m) == (768, 128)
     assert DECODE.target.max_floor_ratio == 1.3 and PREFILL.target.max_floor_ratio is None
     for case in (DECODE, PREFILL):

@@ -32,7 +32,7 @@ def _auto_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("expected", "block_m"),
-    [(0.0, 32), (1.0, 32), (16.0, 32), (16.5, 32), (16.51, 64), (17.0, 64), (64.0, 64), (64.5, 64),
+    [(0.0, 32), (1.0, 32), (16.0, 32), (24.0, 32), (24.01, 64), (25.0, 64), (64.0, 64), (64.5, 64),
      (64.51, 128), (65.0, 128), (1e6, 128)],
 )
 def test_buckets_explicit(expected: float, block_m: int) -> None:
@@ -45,9 +45,9 @@ def test_buckets_explicit(expected: float, block_m: int) -> None:
 
 def test_buckets_derived_at_thresholds() -> None:
     # expected = T_max * R * topk / E, here T_max * 3 / 4
-    assert select_config(1, 4, 22, 3, 256, 128).expected_tokens_per_expert == 16.5
-    assert select_config(1, 4, 22, 3, 256, 128).block_m == 32
-    assert select_config(1, 4, 23, 3, 256, 128).block_m == 64  # 17.25
+    assert select_config(1, 4, 32, 3, 256, 128).expected_tokens_per_expert == 24.0
+    assert select_config(1, 4, 32, 3, 256, 128).block_m == 32
+    assert select_config(1, 4, 33, 3, 256, 128).block_m == 64  # 24.75
     assert select_config(1, 4, 86, 3, 256, 128).expected_tokens_per_expert == 64.5
     assert select_config(1, 4, 86, 3, 256, 128).block_m == 64
     assert select_config(1, 4, 87, 3, 256, 128).block_m == 128  # 65.25

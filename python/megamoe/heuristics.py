@@ -29,7 +29,10 @@ MAX_NUM_STAGES = 8  # a GEMM ring's stages (GemmConfig, ExpertFfnConfig): as man
 MIN_NUM_STAGES = 3  # ... and at least 3 (DESIGN section 8)
 BLOCK_N = 128
 BLOCK_K = 128
-BUCKET_BLOCK_M_32 = 16.5  # expected tokens per expert <= 16.5 -> BLOCK_M 32
+# expected tokens per expert <= 24 -> BLOCK_M 32. Measured on the H200 (fused kernel, flash shape, top-k of randn
+# routing, cold, BLOCK_M 32 / 64 in the same rounds): 0.98 at 12 and 16 rows per expert, 0.995 at 24 (the largest
+# experts then take a second m-block), 1.12-1.17 at 32 and 1.31-1.39 at 40-60 (notes/fused.md)
+BUCKET_BLOCK_M_32 = 24.0
 BUCKET_BLOCK_M_64 = 64.5  # <= 64.5 -> BLOCK_M 64, else 128
 N_MAJOR_THRESHOLD = 256.0  # expected tokens per expert >= 256 -> N-major L2 order
 DEFAULT_NUM_SMS = 132  # H200
@@ -72,7 +75,7 @@ def default_expected_tokens_per_expert(
 
 
 def block_m_for(expected: float) -> int:
-    """The BLOCK_M bucket: <= 16.5 -> 32, <= 64.5 -> 64, else 128."""
+    """The BLOCK_M bucket: <= 24 -> 32, <= 64.5 -> 64, else 128."""
     if expected <= BUCKET_BLOCK_M_32:
         return 32
     if expected <= BUCKET_BLOCK_M_64:

@@ -57,9 +57,9 @@ FFN_RANDOM_CONFIGS = [
     for block_m in (32, 64, 128)
 ]
 # `megamoe bench ffn` (bench.ffn.FFN_CASES): 32 experts, H 4096, I 2048, fast math, no clamp; decode-like 24 rows per
-# expert (BLOCK_M 64) and prefill-like 1536 (BLOCK_M 128)
+# expert (BLOCK_M 32) and prefill-like 1536 (BLOCK_M 128)
 FFN_BENCH_CONFIGS = [
-    expert_ffn.ExpertFfnConfig(64, 4096, 2048, 32, clamp=False, fast_math=True),
+    expert_ffn.ExpertFfnConfig(32, 4096, 2048, 32, clamp=False, fast_math=True),
     expert_ffn.ExpertFfnConfig(128, 4096, 2048, 32, clamp=False, fast_math=True),
 ]
 # The layer's input fill (megamoe.layer.MoELayer): the gpu tier's shapes (H 1024 / 4096 / 7168, top-6 / 8, int32 and
