@@ -76,7 +76,8 @@ struct FusedTraits {
     static constexpr uint32_t kOffsetTaskQueue = kOffsetMisc + 16;
     // The scatter warp learns its CTA's L2 tasks from the TMA-A warp, which claims them (fused_scheduler.cuh). It
     // is at most one L2 task behind the math warps (l2_handoff.cuh), which are at most kNumTaskSlots behind the
-    // TMA-A warp: with two slots more, a push never waits for the scatter warp.
+    // TMA-A warp, so at most kNumTaskSlots + 2 L2 tasks wait in this queue: with 4 slots more than the task queue,
+    // a push never waits for the scatter warp (it still waits, bounded, if that argument were wrong).
     static constexpr uint32_t kNumL2TaskSlots = kNumTaskSlots + 4;
     using L2Tasks = TaskQueue<kNumL2TaskSlots>;
     static constexpr uint32_t kOffsetL2TaskQueue = kOffsetTaskQueue + Tasks::kBytes;
