@@ -122,35 +122,34 @@ TILE_ROWS = TILE_BYTES = 128
 SWIZZLE_CHUNK = 16
 
 
-def _tile_view(w: Tensor) -> Tensor:
-    """[E, N, K] e4m3 as uint8 [E, N/128, 16, 8, K/128, 8, 16]: (expert, n block, row group, row mod 8, k block,
-    16 B chunk, byte)."""
+def _tile_dims(w: Tensor) -> tuple[int, int, int, int]:
+    """(E, N/128, K/128, row groups of 8 per block) of an [E, N, K] weight; N and K must be multiples of 128."""
     e, n, k = w.shape
     if n % TILE_ROWS or k % TILE_BYTES:
         raise ValueError(f"the tile layout needs N and K multiples of {TILE_ROWS}, got shape {tuple(w.shape)}")
-    return w.view(torch.uint8).view(e, n // TILE_ROWS, TILE_ROWS // 8, 8, k // TILE_BYTES, 8, SWIZZLE_CHUNK)
+    return e, n // TILE_ROWS, k // TILE_BYTES, TILE_ROWS // 8
 
 
-def _swizzle_index(device: torch.device) -> Tensor:
-    """int64 [8, 8]: position c of row r (mod 8) holds chunk c ^ r."""
-    r = torch.arange(8, device=device)
-    return r.view(8, 1) ^ r.view(1, 8)
+def _swizzle(x: Tensor) -> Tensor:
+    """uint8 [e, nb, kb, row group, row mod 8, 16 B chunk, byte] with position c of row r holding chunk c ^ r (its
+    own inverse: c ^ r ^ r = c)."""
+    r = torch.arange(8, device=x.device)
+    index = (r.view(8, 1) ^ r.view(1, 8)).view(1, 1, 1, 1, 8, 8, 1).expand(*x.shape[:6], SWIZZLE_CHUNK)
+    return torch.gather(x, 5, index)
 
 
 def tile_weights(w: Tensor) -> Tensor:
     """e4m3 [E, N, K] row-major -> the same shape in the tile layout: for each expert, n block and k block (in that
     order) 16 KB = 128 rows of 128 B, the 16 B chunks of row r in the order c ^ (r % 8). A new tensor."""
-    x = _tile_view(w.contiguous()).permute(0, 1, 4, 2, 3, 5, 6)  # [e, nb, kb, rg, r8, chunk, byte]
-    index = _swizzle_index(w.device).view(1, 1, 1, 1, 8, 8, 1).expand(*x.shape[:6], SWIZZLE_CHUNK)
-    return torch.gather(x, 5, index).contiguous().view(w.dtype).view(w.shape)
+    e, nb, kb, rg = _tile_dims(w)
+    x = w.contiguous().view(torch.uint8).view(e, nb, rg, 8, kb, 8, SWIZZLE_CHUNK).permute(0, 1, 4, 2, 3, 5, 6)
+    return _swizzle(x).contiguous().view(w.dtype).view(w.shape)
 
 
 def untile_weights(w: Tensor) -> Tensor:
     """The inverse of `tile_weights`: the tile layout -> row-major, same shape. A new tensor."""
-    e, n, k = w.shape
-    x = w.contiguous().view(torch.uint8).view(e, n // TILE_ROWS, k // TILE_BYTES, TILE_ROWS // 8, 8, 8, SWIZZLE_CHUNK)
-    index = _swizzle_index(w.device).view(1, 1, 1, 1, 8, 8, 1).expand(*x.shape[:6], SWIZZLE_CHUNK)
-    x = torch.gather(x, 5, index)  # the swizzle by r % 8 is its own inverse (c ^ r ^ r = c)
+    e, nb, kb, rg = _tile_dims(w)
+    x = _swizzle(w.contiguous().view(torch.uint8).view(e, nb, kb, rg, 8, 8, SWIZZLE_CHUNK))
     return x.permute(0, 1, 3, 4, 2, 5, 6).contiguous().view(w.dtype).view(w.shape)
 
 
