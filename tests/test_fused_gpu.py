@@ -21,9 +21,18 @@ from megamoe.layout import WORKSPACE_HEADER_FIELDS, SymmLayout  # noqa: E402
 SMALL_LAYOUTS = [(1, 8, 128, 6, 1024, 512), (1, 32, 128, 8, 2048, 1024)]
 FLASH_LAYOUT = (1, 32, 4096, 6, 4096, 2048)
 
-# y rel-L2 against the exact-quantization reference: measured on the H200 2.9e-3 .. 4.6e-3 over the first 8 cases
-# (T 1..128, BLOCK_M 128 and 64; the requant's one-step FP8 flips, ~1% of codes, dominate); 2x margin.
-MAX_Y_REL_L2 = 1e-2
+# y rel-L2 against the exact-quantization reference. Measured on the H200 (scripts/fused_error_spread.py, 200 seeds
+# per row, the two SMALL_LAYOUTS): T 128 median 4.1e-3 / 4.2e-3, max 4.7e-3 / 4.6e-3; T 7 max 6.9e-3 / 5.7e-3; T 2
+# max 1.04e-2 / 7.5e-3; T 1 median 3.3e-3 / 3.9e-3, p99 9.4e-3 / 8.6e-3, max 1.35e-2 / 9.6e-3. The requant's one-step
+# FP8 flips dominate; a single token's output carries only a few of them, so below 7 tokens the error has a long
+# tail (a T = 1 case measured 1.007e-2 against the old single bound of 1e-2).
+MAX_Y_REL_L2 = 1e-2  # T >= 7: 1.45x the largest measured
+MAX_Y_REL_L2_FEW_TOKENS = 2e-2  # T < 7: 1.5x the largest measured (T = 1)
+
+
+def max_y_rel_l2(num_tokens: int) -> float:
+    """The y rel-L2 bound of a call with num_tokens tokens (measured: above)."""
+    return MAX_Y_REL_L2 if num_tokens >= 7 else MAX_Y_REL_L2_FEW_TOKENS
 WORKSPACE_COUNTERS = ("expert_send_count", "expert_recv_count", "l1_arrival_count", "l1_done_count",
                       "l2_done_count", "combine_arrival_count")
 # The workspace header's word of the task claims (assembler/fused_roles.cuh: TaskClaims), cleaned by every call too
@@ -157,7 +166,8 @@ def test_fused_matches_reference(num_tokens: int, num_experts: int, num_topk: in
         err = reference.rel_l2(y.float().cpu(), y_ref.float())
         print(f"seed {seed} {config.name} call {call}: y rel-L2 {err:.3e}")
         assert torch.isfinite(y).all(), f"seed {seed}: y holds non-finite values"
-        assert err <= MAX_Y_REL_L2, f"seed {seed}: y rel-L2 {err:.3e} > {MAX_Y_REL_L2}"
+        bound = max_y_rel_l2(num_tokens)
+        assert err <= bound, f"seed {seed}: y rel-L2 {err:.3e} > {bound}"
         assert_workspace_clean(buf, f"seed {seed} call {call}")
 
 

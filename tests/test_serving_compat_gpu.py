@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 
 from megamoe import quant, reference  # noqa: E402
 from megamoe.testing.layer import routed_hidden_states  # noqa: E402
+from test_fused_gpu import max_y_rel_l2  # noqa: E402
 
-MAX_Y_REL_L2 = 1e-2  # tests/test_fused_gpu.py: the fused kernel against the reference, measured 2.9e-3 .. 4.9e-3
 E, TOPK, H, I = 8, 6, 1024, 512
 SWIGLU_LIMIT = 10.0  # the clamp DeepSeek V4's config passes as swiglu_limit
 
@@ -42,7 +42,8 @@ def _check(y: torch.Tensor, hidden_states, ids, weights, w, clamp) -> float:
     y_ref = reference.moe(x, x_sf, ids.cpu().long(), weights.cpu().float(), (w[0].cpu(), w[1].cpu()),
                           (w[2].cpu(), w[3].cpu()), activation_clamp=clamp, fast_math=True)
     err = reference.rel_l2(y.float().cpu(), y_ref.float())
-    assert err <= MAX_Y_REL_L2, f"y rel-L2 {err:.3e}"
+    bound = max_y_rel_l2(y.shape[0])
+    assert err <= bound, f"y rel-L2 {err:.3e} > {bound}"
     return err
 
 
