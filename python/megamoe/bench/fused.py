@@ -158,6 +158,8 @@ class FusedCaseResult(CaseResult[FusedMeasurement]):
     cublas_y_rel_l2: float | None = None
     # --phases: (phase, earliest, latest mark in us after the kernel's start) of one overlapped call, warm L2
     phases: list[tuple[str, float, float]] | None = None
+    # --phases: the same of the config for the call's load, where it is not the buffer's default
+    fitted_phases: list[tuple[str, float, float]] | None = None
 
 
 def routed_inputs(num_tokens: int, num_experts: int, num_topk: int, hidden: int, seed: int,
@@ -274,12 +276,18 @@ def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSE
                                      max_rows=max(counts), rows=rows, floor_us=floor,
                                      block_m=configs[False].block_m, y_rel_l2=err, serial_equals_overlapped=same,
                                      warmup=warmup, iters=iters)
+            fitted = config_for(buf.layout, expected_tokens_per_expert=expected_load(spec, t))
             if phases:
-                for _ in range(3):  # warm: the marks of the last of three calls
-                    timer = PhaseTimes(PHASES, dev)
-                    fused_run(y[False], l1, l2, buf, t, serial=False, phase_times=timer)
-                torch.cuda.synchronize()
-                result.phases = timer.ends_us()
+                def marks(**kwargs: Any) -> list[tuple[str, float, float]]:
+                    for _ in range(3):  # warm: the marks of the last of three calls
+                        timer = PhaseTimes(PHASES, dev)
+                        fused_run(y[False], l1, l2, buf, t, serial=False, phase_times=timer, **kwargs)
+                    torch.cuda.synchronize()
+                    return timer.ends_us()
+
+                result.phases = marks()
+                if fitted != configs[False]:
+                    result.fitted_phases = marks(expected_tokens_per_expert=expected_load(spec, t))
             flops = 6.0 * rows * h * i
             ffn_config = ef.ExpertFfnConfig(configs[False].block_m, h, i, e, fast_math=True)
             pool, outputs = _unit_kernel_pool(buf, ffn_config, counts, (l1, l2))
@@ -306,7 +314,6 @@ def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSE
                 runners[f"fused, overlapped, {p} pull stages"] = (
                     lambda p=p: fused_run(y[False], l1, l2, buf, t, serial=False, pull_stages=p))
             # The variant of the call's own load (BLOCK_M, GEMM stages), where it is not the buffer's default
-            fitted = config_for(buf.layout, expected_tokens_per_expert=expected_load(spec, t))
             if fitted != configs[False]:
                 runners[f"fused, overlapped, config for the call's load (BLOCK_M {fitted.block_m}, "
                         f"{fitted.num_stages} stages)"] = (
@@ -403,8 +410,11 @@ def phases_table(results: list[FusedCaseResult]) -> Table | None:
     table = results_table("megamoe bench fused --phases", ["case", *names, "first L1 before last arrival"],
                           left=["case"], caption=PHASE_CAPTION)
     for r in timed:
-        marks = {name: (lo, hi) for name, lo, hi in r.phases}
-        overlapped = marks["l1_start"][0] < marks["pull"][1]
-        table.add_row(r.case, *(f"{marks[n][0]:.1f} / {marks[n][1]:.1f}" for n in names),
-                      "yes" if overlapped else "no")
+        for label, phases in ((r.case, r.phases), (f"{r.case}, call's config", r.fitted_phases)):
+            if phases is None:
+                continue
+            marks = {name: (lo, hi) for name, lo, hi in phases}
+            overlapped = marks["l1_start"][0] < marks["pull"][1]
+            table.add_row(label, *(f"{marks[n][0]:.1f} / {marks[n][1]:.1f}" for n in names),
+                          "yes" if overlapped else "no")
     return table
