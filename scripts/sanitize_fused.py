@@ -1,8 +1,11 @@
 """One small fused call for compute-sanitizer (memcheck, racecheck, synccheck): E 8, H 1024, I 512, top-6, T 64 on
 8 CTAs, y checked against the reference. Usage on the GPU machine (PYTHONPATH=python, MEGAMOE_TIMEOUT_S large: the
 tools slow the spin-waits down):
-  compute-sanitizer --tool racecheck python3 scripts/sanitize_fused.py"""
+  compute-sanitizer --tool racecheck python3 scripts/sanitize_fused.py [--expected-tokens-per-expert 8]
+(the buffer's default variant is BLOCK_M 128; 8 expected rows per expert pick the decode variant, BLOCK_M 32)"""
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -13,6 +16,9 @@ from megamoe.layout import SymmLayout
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--expected-tokens-per-expert", type=float, default=None)
+    args = parser.parse_args()
     num_tokens, hidden, intermediate, num_experts, num_topk = 64, 1024, 512, 8, 6
     rc = reference.random_case(num_tokens, hidden, intermediate, num_experts, num_topk, mask_prob=0.1,
                                generator=torch.Generator().manual_seed(0), device="cuda")
@@ -22,12 +28,12 @@ def main() -> None:
                         ("topk_weights", rc.topk_weights[0])):
         getattr(buf, name)[:num_tokens].copy_(value)
     y = torch.full((num_tokens, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-    run(y, l1, l2, buf, num_tokens, num_sms=8)
+    config = run(y, l1, l2, buf, num_tokens, num_sms=8, expected_tokens_per_expert=args.expected_tokens_per_expert)
     torch.cuda.synchronize()
     y_ref = reference.moe(rc.x[0], rc.x_sf[0], rc.topk_idx[0], rc.topk_weights[0], rc.l1_weights[0],
                           rc.l2_weights[0], fast_math=True)
     err = reference.rel_l2(y.float(), y_ref.float())
-    print(f"sanitize_fused: y rel-L2 {err:.3e}")
+    print(f"sanitize_fused: {config.name} y rel-L2 {err:.3e}")
     assert err <= 1e-2, err
 
 
