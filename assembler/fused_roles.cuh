@@ -343,11 +343,11 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
     using Handoff = typename FusedContext<T>::Handoff;
     // Whether the staging area holds an L2 tile the scatter warp may still read (l2_handoff.cuh)
     bool staging_held_by_l2 = false;
-    // The GEMM consumer's in-flight wait for the next K block's stage (gemm/consumer.cuh: kPrefetch), at BLOCK_M 32
-    // only. Same-round A/B on the H200 (cold, three seeds, three runs): BLOCK_M 32 at T 8 and 128 0.2-1.5 us
-    // faster; BLOCK_M 128 0-6 us faster at T 1024 but 55-67 us slower at T 4096 (warm); BLOCK_M 64 not measured.
-    // No spills with it at BLOCK_M 32 (at 128 the scatter warp spilled 32 B: notes/fused.md).
-    constexpr bool kPrefetch = T::BLOCK_M == 32;
+    // The GEMM consumer's in-flight wait for the next K block's stage (gemm/consumer.cuh: kPrefetch), at the decode
+    // variants (BLOCK_M <= 64). Same-round A/B on the H200 (cold, three seeds): BLOCK_M 32 at T 8 and 128 0.2-1.5 us
+    // faster, BLOCK_M 64 at T 192 and 256 1.5-2.5 us faster; BLOCK_M 128 0-6 us faster at T 1024 but 55-67 us slower
+    // at T 4096 (warm). No spills with it at BLOCK_M <= 64 (at 128 the scatter warp spilled 32 B: notes/fused.md).
+    constexpr bool kPrefetch = T::BLOCK_M <= 64;
 
     // A task's weight SFs (gemm::WeightScales), loaded before the previous task's epilogue to hide the latency
     const auto load_weight_scales = [&](const QueuedTask& t) {
