@@ -71,6 +71,15 @@ def test_phases_table() -> None:
     assert rows[0].rstrip(" │").endswith("yes") and rows[1].rstrip(" │").endswith("no")
     assert bf.phases_table([]) is None
 
+    # The call's config, where it differs from the default, gets its own row right after the case's
+    fitted = case(20.0)
+    fitted.fitted_phases = [(n, lo + 1.0, hi + 1.0) for n, lo, hi in fitted.phases]
+    console = Console(width=240, record=True)
+    console.print(bf.phases_table([fitted, case(85.0)]))
+    rows = [line for line in console.export_text().splitlines() if "T 1024 seed" in line]
+    assert len(rows) == 3 and "call's config" in rows[1] and "21.0 / 91.0" in rows[1]
+    assert "call's config" not in rows[0] + rows[2]
+
 
 def test_routed_cublas_matches_the_reference() -> None:
     """The cuBLAS unfused baseline on a routing with masked slots and an empty expert, with a CPU stand-in for
