@@ -1,7 +1,8 @@
 """The spread of the fused kernel's y rel-L2 against the exact-quantization reference over many seeds, by T: the
 measurement that sets the gpu tests' bounds (tests/test_fused_gpu.py: max_y_rel_l2), since a few tokens' error has
 a long tail. Inputs as test_fused_matches_reference draws them (10% of the slots masked); the many seeds drawn on the
-GPU, --seed-list seeds as the test draws them (a CPU generator), so a failing test's seed reproduces its case. Usage on the GPU machine: PYTHONPATH=python python3 scripts/fused_error_spread.py [--seeds N]
+GPU, --seed-list seeds as the test draws them (a CPU generator), so a failing test's seed reproduces its case.
+Usage on the GPU machine: PYTHONPATH=python python3 scripts/fused_error_spread.py [--seeds N]
 [--seed-list 833979504,...]"""
 from __future__ import annotations
 

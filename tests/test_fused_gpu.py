@@ -33,6 +33,8 @@ MAX_Y_REL_L2_FEW_TOKENS = 2e-2  # T < 7: 1.5x the largest measured (T = 1)
 def max_y_rel_l2(num_tokens: int) -> float:
     """The y rel-L2 bound of a call with num_tokens tokens (measured: above)."""
     return MAX_Y_REL_L2 if num_tokens >= 7 else MAX_Y_REL_L2_FEW_TOKENS
+
+
 WORKSPACE_COUNTERS = ("expert_send_count", "expert_recv_count", "l1_arrival_count", "l1_done_count",
                       "l2_done_count", "combine_arrival_count")
 # The workspace header's word of the task claims (assembler/fused_roles.cuh: TaskClaims), cleaned by every call too
