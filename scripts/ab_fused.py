@@ -61,23 +61,17 @@ def time_build(tokens: list[int], shape: str, iters: int) -> dict[str, dict]:
     """The call's config at each T and seed of the bench: cold / warm medians, y rel-L2, warm phase marks."""
     import torch
 
-    from megamoe import reference, weights
-    from megamoe.bench.ffn import ffn_random_weights
-    from megamoe.bench.fused import FUSED_SEEDS, FUSED_SHAPES, expected_load, routed_inputs
-    from megamoe.bench.timing import l2_flusher, time_queued_us
-    from megamoe.buffer import allocate
+    from megamoe import reference
+    from megamoe.bench.fused import FUSED_SEEDS, FUSED_SHAPES, bench_setup, expected_load, routed_inputs
+    from megamoe.bench.timing import time_queued_us
     from megamoe.fused.launch import PHASES
     from megamoe.fused.launch import run as fused_run
     from megamoe.jit.diagnostics import PhaseTimes
-    from megamoe.layout import SymmLayout
 
     dev = torch.device("cuda")
     spec = FUSED_SHAPES[shape]
-    e, h, i, k = spec.num_experts, spec.hidden, spec.intermediate, spec.num_topk
-    natural = ffn_random_weights(e, h, i, generator=torch.Generator(device=dev).manual_seed(12345), device=dev)
-    l1, l2 = weights.transform_weights(*natural)
-    buf = allocate(None, SymmLayout.create(1, e, spec.max_tokens, k, h, i), dev)
-    flush = l2_flusher(dev)
+    e, h, k = spec.num_experts, spec.hidden, spec.num_topk
+    natural, l1, l2, buf, flush = bench_setup(spec, dev)
     out: dict[str, dict] = {}
     for t in tokens:
         for seed in FUSED_SEEDS:

@@ -229,13 +229,26 @@ def _unit_kernel_pool(buf: Any, config: Any, counts: list[int], w: tuple) -> tup
     return inputs, ef.new_outputs(config, rows, device)
 
 
+def bench_setup(spec: FusedShape, dev: torch.device) -> tuple[tuple, Any, Any, Any, Any]:
+    """The bench's fixed state for one shape: the natural weights (seed 12345), their kernel layout (l1, l2), a
+    one-rank buffer for the shape's T_max, and the L2 flusher."""
+    from megamoe import weights
+    from megamoe.bench.ffn import ffn_random_weights
+    from megamoe.buffer import allocate
+    from megamoe.layout import SymmLayout
+
+    e, h, i = spec.num_experts, spec.hidden, spec.intermediate
+    natural = ffn_random_weights(e, h, i, generator=torch.Generator(device=dev).manual_seed(12345), device=dev)
+    l1, l2 = weights.transform_weights(*natural)
+    buf = allocate(None, SymmLayout.create(1, e, spec.max_tokens, spec.num_topk, h, i), dev)
+    return natural, l1, l2, buf, l2_flusher(dev)
+
+
 def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSED_SEEDS, *, warmup: int = 5,
                 iters: int = 30, wave_fills: Sequence[int] | None = None, phases: bool = False,
                 shape: str = "flash", device: str = "cuda") -> list[FusedCaseResult]:
-    from megamoe import heuristics, reference, weights
-    from megamoe.bench.ffn import ffn_random_weights
+    from megamoe import heuristics, reference
     from megamoe.bench.timing import graphed
-    from megamoe.buffer import allocate
     from megamoe.fused import config_for
     from megamoe.fused.launch import PHASES
     from megamoe.fused.launch import run as fused_run
@@ -243,17 +256,13 @@ def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSE
     from megamoe.jit.runtime import num_sms as device_num_sms
     from megamoe.kernels import dispatch_combine as dc
     from megamoe.kernels import expert_ffn as ef
-    from megamoe.layout import SymmLayout
 
     wave_fills = list(wave_fills or [heuristics.WAVE_FILL])
 
     dev = torch.device(device)
     spec = FUSED_SHAPES[shape]
     e, h, i, k = spec.num_experts, spec.hidden, spec.intermediate, spec.num_topk
-    natural = ffn_random_weights(e, h, i, generator=torch.Generator(device=dev).manual_seed(12345), device=dev)
-    l1, l2 = weights.transform_weights(*natural)
-    buf = allocate(None, SymmLayout.create(1, e, spec.max_tokens, k, h, i), dev)
-    flush = l2_flusher(dev)
+    natural, l1, l2, buf, flush = bench_setup(spec, dev)
     expert_bytes = 3 * h * i
     results = []
     for t in tokens or spec.tokens:
