@@ -26,10 +26,8 @@ __global__ void __launch_bounds__(64, 1) feed(const uint8_t* w, uint64_t base, u
     extern __shared__ __align__(1024) uint8_t smem[];
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + stages * kChunk);
     uint64_t* empty = full + stages;
-    if (threadIdx.x == 0) {
-        for (uint32_t i = 0; i < stages; ++ i) { bar_init(full + i, 1); bar_init(empty + i, 1); }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (threadIdx.x == 0)
+        init_ring_barriers(full, stages);
     __syncthreads();
     const uint64_t start = now_ns();
     const uint64_t first = (base + blockIdx.x * kPerCtaBytes) % kBytes;
@@ -39,17 +37,16 @@ __global__ void __launch_bounds__(64, 1) feed(const uint8_t* w, uint64_t base, u
         for (uint32_t c = 0; c < kNumChunks; ++ c) {
             bar_wait(empty + stage, phase ^ 1);
             bar_expect(full + stage, kChunk);
-            const uint8_t* src = w + (first + static_cast<uint64_t>(c) * kChunk) % kBytes;
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                         ::"r"(sa(smem + stage * kChunk)), "l"(src), "r"(kChunk), "r"(sa(full + stage)) : "memory");
-            if (++ stage == stages) { stage = 0; phase ^= 1; }
+            bulk_load(smem + stage * kChunk, w + (first + static_cast<uint64_t>(c) * kChunk) % kBytes, kChunk,
+                      full + stage);
+            ring_advance(stage, phase, stages);
         }
     } else if (threadIdx.x == 32) {
         uint32_t stage = 0, phase = 0;
         for (uint32_t c = 0; c < kNumChunks; ++ c) {
             bar_wait(full + stage, phase);
             bar_arrive(empty + stage);
-            if (++ stage == stages) { stage = 0; phase ^= 1; }
+            ring_advance(stage, phase, stages);
         }
         times[blockIdx.x] = now_ns() - start;
     }

@@ -25,10 +25,8 @@ __global__ void __launch_bounds__(128, 1) feed(const __grid_constant__ CUtensorM
     extern __shared__ __align__(1024) uint8_t smem[];
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kChunk);
     uint64_t* empty = full + kStages;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < kStages; ++ i) { bar_init(full + i, 1); bar_init(empty + i, 1); }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (threadIdx.x == 0)
+        init_ring_barriers(full, kStages);
     __syncthreads();
     constexpr uint32_t kChunksPerTile = kTileBytes / kChunk;
     if (threadIdx.x == 0) {
@@ -47,11 +45,10 @@ __global__ void __launch_bounds__(128, 1) feed(const __grid_constant__ CUtensorM
                                        "r"(sa(full + stage)), "r"((c * (kChunk / 16384) + j) * 128), "r"(t * 128)
                                      : "memory");
                 } else {
-                    const uint8_t* src = w + static_cast<uint64_t>(t) * kTileBytes + static_cast<uint64_t>(c) * kChunk;
-                    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                                 ::"r"(sa(dst)), "l"(src), "r"(kChunk), "r"(sa(full + stage)) : "memory");
+                    bulk_load(dst, w + static_cast<uint64_t>(t) * kTileBytes + static_cast<uint64_t>(c) * kChunk, kChunk,
+                              full + stage);
                 }
-                if (++ stage == kStages) { stage = 0; phase ^= 1; }
+                ring_advance(stage, phase, kStages);
             }
         }
     } else if (threadIdx.x == 32) {
@@ -60,7 +57,7 @@ __global__ void __launch_bounds__(128, 1) feed(const __grid_constant__ CUtensorM
             for (uint32_t c = 0; c < kChunksPerTile; ++ c) {
                 bar_wait(full + stage, phase);
                 bar_arrive(empty + stage);
-                if (++ stage == kStages) { stage = 0; phase ^= 1; }
+                ring_advance(stage, phase, kStages);
             }
     }
 }
