@@ -9,9 +9,9 @@ from megamoe.kernels import catalog, gemm  # noqa: E402
 
 
 def test_names_unique_and_knobs_in_source() -> None:
-    configs = (catalog.GEMM_EXACT_CONFIGS + catalog.GEMM_SCHEDULE_CONFIGS + catalog.GEMM_RANDOM_CONFIGS
-               + catalog.GEMM_BENCH_CONFIGS)
-    distinct = {(c.block_m, c.mode, c.n, c.k, c.num_experts, c.band_m, c.prefetch) for c in configs}
+    configs = (catalog.GEMM_EXACT_CONFIGS + catalog.GEMM_SCHEDULE_CONFIGS + catalog.GEMM_CLUSTER_CONFIGS
+               + catalog.GEMM_RANDOM_CONFIGS + catalog.GEMM_BENCH_CONFIGS)
+    distinct = {(c.block_m, c.mode, c.n, c.k, c.num_experts, c.band_m, c.prefetch, c.cluster_n) for c in configs}
     assert len({c.name for c in configs}) == len(distinct)
     default = gemm.GemmConfig(128, "l2", 4096, 2048, 32)
     assert default.band_m == 16 and default.prefetch
@@ -21,6 +21,22 @@ def test_names_unique_and_knobs_in_source() -> None:
     assert knobs.name.endswith("_b1_nopf") and "grouped_gemm_impl<Traits, 6, 1, false,\n" in gemm.source(knobs)
     with pytest.raises(ValueError, match="band_m"):
         gemm.GemmConfig(128, "l1", 1024, 1024, 2, band_m=0)
+
+
+def test_cluster_knob() -> None:
+    multicast = gemm.GemmConfig(128, "l1", 1024, 2048, 6, cluster_n=2)
+    assert multicast.name.endswith("_b16_c2") and "1024, 2048, 2>;" in gemm.source(multicast)
+    assert "1024, 2048, 1>;" in gemm.source(gemm.GemmConfig(128, "l1", 1024, 2048, 6))
+    for bad in (dict(block_m=64, n=1024), dict(block_m=128, n=1152), dict(block_m=128, n=1024, cluster_n=4)):
+        with pytest.raises(ValueError, match="cluster_n"):
+            gemm.GemmConfig(bad["block_m"], "l2", bad["n"], 1024, 2, cluster_n=bad.get("cluster_n", 2))
+    # the bench's L1 prefill rows run A-multicast, and each bench case's config is in the catalog (compiled ahead)
+    from megamoe.bench.gemm import GEMM_CASES
+
+    bench_names = {c.name for c in catalog.GEMM_BENCH_CONFIGS}
+    for case in GEMM_CASES:
+        config = gemm.GemmConfig(case.block_m, case.mode, case.n, case.k, case.num_groups, cluster_n=case.cluster_n)
+        assert config.name in bench_names, case
 
 
 def test_schedule_cases_cover_the_consumer_paths() -> None:

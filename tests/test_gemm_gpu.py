@@ -27,7 +27,8 @@ def _check_padding_untouched(problem: GemmProblem, d: torch.Tensor) -> None:
     assert bool(torch.isnan(d[~valid]).all()), "a padding row of the pool was written"
 
 
-@pytest.mark.parametrize("config", catalog.GEMM_EXACT_CONFIGS + catalog.GEMM_SCHEDULE_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("config", catalog.GEMM_EXACT_CONFIGS + catalog.GEMM_SCHEDULE_CONFIGS +
+                         catalog.GEMM_CLUSTER_CONFIGS, ids=lambda c: c.name)
 def test_gemm_bit_exact(config: gemm.GemmConfig) -> None:
     for _ in range(2):  # fresh inputs each run
         problem = make_problem(config, catalog.GEMM_EXACT_COUNTS, small_int=True)

@@ -98,8 +98,8 @@ MEGAMOE_DEVICE void promote(float (&acc)[WGMMA::kNumAccum], const float (&d)[WGM
 
 // Wait for and release the K blocks of one tile without any math (kFeedOnly profiling: the producers' rate).
 template <typename T>
-MEGAMOE_DEVICE void drain_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
-                               uint32_t lane, const DeviceEnv& env) {
+MEGAMOE_DEVICE void drain_tile(const Pipeline<T::kNumStages, T::kClusterN>& pipeline,
+                               PipelineState<T::kNumStages>& state, uint32_t lane, const DeviceEnv& env) {
     for (uint32_t k_block_idx = 0; k_block_idx < T::kNumKBlocks; ++ k_block_idx) {
         pipeline.consumer_wait(env, state);
         pipeline.consumer_release(state, lane);
@@ -132,9 +132,10 @@ MEGAMOE_DEVICE void for_each_index(std::integer_sequence<uint32_t, kIdx...>, con
 // (the first and last blocks are peeled), never a branch in flight. Blocking stage waits run with nothing in flight.
 // Every K-block count from 1 to 64 compiles without spills in both modes (ptxas, BLOCK_M 128: notes/gemm.md).
 template <typename T, bool kTrace = false, bool kFeedOnly = false, bool kPrefetch = true>
-MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, PipelineState<T::kNumStages>& state,
-                                 const GemmSmem<T>& smem, const WeightScales& weight_scales, uint32_t math_wg_idx,
-                                 uint32_t thread_in_wg, float (&acc)[WGMMA::kNumAccum], const DeviceEnv& env,
+MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages, T::kClusterN>& pipeline,
+                                 PipelineState<T::kNumStages>& state, const GemmSmem<T>& smem,
+                                 const WeightScales& weight_scales, uint32_t math_wg_idx, uint32_t thread_in_wg,
+                                 float (&acc)[WGMMA::kNumAccum], const DeviceEnv& env,
                                  KBlockTrace<kTrace>* trace = nullptr) {
     constexpr bool kL1 = T::kScaleMode == ScaleMode::kL1GateUp;
     constexpr uint32_t kNumKBlocks = T::kNumKBlocks;
@@ -201,8 +202,20 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, Pipeli
         ptx::fence_operands(d);
     };
     // The stage's last group completed: release it, trace the block, report a timed-out prefetch wait
+    // In a cluster, a release arrives on the peers' barriers too (remote arrivals), which would sit in the chain
+    // between two of this warpgroup's groups: it is deferred until the next block's first group is issued (the
+    // stage's reads completed at the wait before), except after a tile's last block.
+    constexpr bool kDeferRelease = T::kClusterN > 1;
+    PipelineState<T::kNumStages> pending = state;
+    const auto flush_release = [&](auto has_prev) {
+        if constexpr (kDeferRelease and decltype(has_prev)::value)
+            pipeline.consumer_release(pending, lane);
+    };
     const auto release = [&](auto has_next) {
-        pipeline.consumer_release(state, lane);
+        if constexpr (kDeferRelease and decltype(has_next)::value)
+            pending = state;
+        else
+            pipeline.consumer_release(state, lane);
         if constexpr (kTrace) {
             trace->mark(KBlockEvent::kDone);
             trace->next();
@@ -225,6 +238,7 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, Pipeli
                               auto has_prev, auto has_next) {
             acquire(kb, prefetched(has_prev));
             issue(kStepsBegin, kStepsEnd, d_cur);
+            flush_release(has_prev);
             if constexpr (decltype(has_prev)::value)
                 promote(acc, d_prev, prev);
             prev = lo;
@@ -258,6 +272,7 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages>& pipeline, Pipeli
         const auto block = [&](uint32_t kb, auto has_prev, auto has_next) {
             acquire(kb, prefetched(has_prev));
             issue(kStepsBegin, kStepsMid, d0);
+            flush_release(has_prev);
             if constexpr (decltype(has_prev)::value)
                 promote(acc, d1, prev_hi);
             complete(d0);

@@ -1,7 +1,7 @@
 // Standalone unit-test kernel of the GEMM component: an m-grouped FP8 GEMM over a pool-like A (each
 // expert's rows start at a multiple of BLOCK_M), B [E, N, K] FP8 with 128x128 float SFs, BF16 output for
-// the valid rows only. Persistent over all SMs, 384 threads: WG0 = 2 idle (dispatch in the fused kernel)
-// + TMA-A + TMA-B warps, WG1/WG2 = math.
+// the valid rows only. Persistent over all SMs (or clusters of T::kClusterN CTAs sharing A), 384 threads:
+// WG0 = 2 idle (dispatch in the fused kernel) + TMA-A + TMA-B warps, WG1/WG2 = math.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -99,13 +99,23 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
                                       const uint8_t* b_tiles, const float* w_sf,
                                       const int* num_tokens_per_expert, __nv_bfloat16* d, const DeviceEnv& env,
                                       unsigned long long* trace = nullptr) {
-    using Scheduler = GroupedTileScheduler<T::BLOCK_M, T::kNumNBlocks, kNumExperts, kBandM>;
+    // Tiles are handed out per cluster: a cluster's CTAs take the same (expert, m-block) and n-blocks
+    // kClusterN j + rank, so that they share A (gemm/producer.cuh)
+    using Scheduler = GroupedTileScheduler<T::BLOCK_M, T::kNumNBlocks / T::kClusterN, kNumExperts, kBandM>;
     extern __shared__ __align__(1024) uint8_t smem_buffer[];
     const GemmSmem<T> smem{smem_buffer};
-    const Pipeline<T::kNumStages> pipeline{smem.full_barriers(), smem.empty_barriers()};
+    const Pipeline<T::kNumStages, T::kClusterN> pipeline{smem.full_barriers(), smem.empty_barriers()};
     const uint32_t lane = lane_idx();
+    const uint32_t cta_rank = T::kClusterN == 1 ? 0 : ptx::cluster_cta_rank();
+    const uint32_t first_task_idx = blockIdx.x / T::kClusterN, num_clusters = gridDim.x / T::kClusterN;
+    const auto locate = [&](Scheduler& scheduler, uint32_t task_idx, Tile& tile) {
+        const bool found = scheduler.locate(task_idx, tile);
+        tile.n_block_idx = tile.n_block_idx * T::kClusterN + cta_rank;
+        return found;
+    };
 
-    // Init the ring, visible to the async proxy before the first TMA
+    // Init the ring, visible to the async proxy (and, in a cluster, to the peer's multicasts and arrivals) before
+    // the first TMA
     if (threadIdx.x == 0) {
         MEGAMOE_DEVICE_ASSERT(smem_addr(smem_buffer) % 1024 == 0);
         ptx::prefetch_tensormap(tensor_map_a);
@@ -113,7 +123,10 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
         pipeline.init(2, T::kNumMathWarps);
         ptx::fence_mbarrier_init();
     }
-    __syncthreads();
+    if constexpr (T::kClusterN == 1)
+        __syncthreads();
+    else
+        ptx::cluster_sync();
 
     // The TMA producers (lane 0 of each TMA warp issues; the dispatch warps of the fused kernel idle here)
     const auto produce = [&](bool is_tma_a) {
@@ -122,9 +135,10 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
         PipelineState<T::kNumStages> state;
         Scheduler scheduler(num_tokens_per_expert);
         Tile tile;
-        for (uint32_t tile_idx = blockIdx.x; scheduler.locate(tile_idx, tile); tile_idx += gridDim.x) {
+        for (uint32_t task_idx = first_task_idx; locate(scheduler, task_idx, tile); task_idx += num_clusters) {
             if (is_tma_a)
-                produce_a_tile<T>(pipeline, state, smem, tensor_map_a, tensor_map_sfa, tile.pool_row, env);
+                produce_a_tile<T>(pipeline, state, smem, tensor_map_a, tensor_map_sfa, tile.pool_row, env,
+                                  cta_rank);
             else
                 produce_b_tile<T>(pipeline, state, smem, b_tiles, tile.expert_idx * T::kNumNBlocks + tile.n_block_idx,
                                   env);
@@ -140,8 +154,8 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
         Scheduler scheduler(num_tokens_per_expert);
         // The next tile's weight SFs are loaded before this tile's epilogue, which hides their latency
         Tile tile, next_tile;
-        uint32_t tile_idx = blockIdx.x;
-        bool has_tile = scheduler.locate(tile_idx, tile);
+        uint32_t task_idx = first_task_idx;
+        bool has_tile = locate(scheduler, task_idx, tile);
         WeightScales weight_scales{};
         if (has_tile)
             weight_scales = WeightScales::load<T>(w_sf, tile.expert_idx, tile.n_block_idx, lane);
@@ -152,8 +166,8 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
                 acc[i] = 0.0f;
             consume_tile<T, kTrace, kFeedOnly, kPrefetch>(pipeline, state, smem, weight_scales, math_wg_idx,
                                                           thread_in_wg, acc, env, &tracer);
-            tile_idx += gridDim.x;
-            const bool has_next = scheduler.locate(tile_idx, next_tile);
+            task_idx += num_clusters;
+            const bool has_next = locate(scheduler, task_idx, next_tile);
             if (has_next)
                 weight_scales = WeightScales::load<T>(w_sf, next_tile.expert_idx, next_tile.n_block_idx, lane);
             if constexpr (not kFeedOnly)
@@ -164,6 +178,10 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
     };
     run_warp_roles<T::kNumMathWarpgroups, SpareWarpgroup::kReleaseRegisters>(
         NoRole{}, [&]() { produce(true); }, [&]() { produce(false); }, math, NoRole{});
+    // NOTES: in a cluster, no CTA exits while its peer may still multicast into its stages or arrive on its
+    // barriers (both walk the same tasks, so both are done once both got here)
+    if constexpr (T::kClusterN > 1)
+        ptx::cluster_sync();
 }
 
 }  // namespace megamoe::gemm

@@ -2,6 +2,7 @@
 // each guarded by a full barrier (TMA bytes landed) and an empty barrier (all math warps done reading).
 #pragma once
 
+#include "common/cluster.cuh"
 #include "common/mbarrier.cuh"
 
 namespace megamoe::gemm {
@@ -21,20 +22,23 @@ struct PipelineState {
     }
 };
 
-template <uint32_t kNumStages>
+// kClusterSize > 1: each stage's A is multicast by every CTA of the cluster, so a stage is free only once the math
+// warps of all of them are done with it: every math warp arrives on the empty barrier of each CTA in the cluster.
+template <uint32_t kNumStages, uint32_t kClusterSize = 1>
 struct Pipeline {
     uint64_t* full_barriers;   // [kNumStages], 2 arrivals (TMA-A and TMA-B warps) + transaction bytes
-    uint64_t* empty_barriers;  // [kNumStages], one arrival per math warp
+    uint64_t* empty_barriers;  // [kNumStages], one arrival per math warp (of each CTA in the cluster)
     // Shared-window addresses of the barriers, computed once (a generic-to-shared conversion reads SR_CgaCtaId)
     uint32_t full_addr = smem_addr(full_barriers);
     uint32_t empty_addr = smem_addr(empty_barriers);
+    uint32_t cta_rank = kClusterSize == 1 ? 0 : ptx::cluster_cta_rank();
 
     // One thread initializes; fence_mbarrier_init + a CTA barrier must follow before use.
     MEGAMOE_DEVICE void init(uint32_t num_producers, uint32_t num_consumer_warps) const {
         #pragma unroll
         for (uint32_t i = 0; i < kNumStages; ++ i) {
             ptx::mbarrier_init(full_barriers + i, num_producers);
-            ptx::mbarrier_init(empty_barriers + i, num_consumer_warps);
+            ptx::mbarrier_init(empty_barriers + i, num_consumer_warps * kClusterSize);
         }
     }
 
@@ -79,7 +83,16 @@ struct Pipeline {
 
     // Consumer release: one arrival per math warp, after that warp's wgmma reads of the stage completed.
     MEGAMOE_DEVICE void consumer_release(const PipelineState<kNumStages>& state, uint32_t lane) const {
-        ptx::mbarrier_arrive_if_at(empty_addr + state.stage * 8, lane == 0);
+        if constexpr (kClusterSize == 1) {
+            ptx::mbarrier_arrive_if_at(empty_addr + state.stage * 8, lane == 0);
+        } else {
+            // This CTA's barrier through its own window, the peers' through the cluster window
+            ptx::mbarrier_arrive_if_at(empty_addr + state.stage * 8, lane == 0);
+            const uint32_t bar_addr = empty_addr + state.stage * 8;
+            #pragma unroll
+            for (uint32_t i = 1; i < kClusterSize; ++ i)
+                ptx::mbarrier_arrive_cluster_if(ptx::map_to_cta(bar_addr, (cta_rank + i) % kClusterSize), lane == 0);
+        }
     }
 };
 

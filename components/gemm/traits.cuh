@@ -11,7 +11,10 @@ namespace megamoe::gemm {
 // kL2Per64:  A one SF per 64 K (two K = 64 WGMMA batches per 128-K block, promoted separately); B one SF.
 enum class ScaleMode : uint32_t { kL1GateUp = 0, kL2Per64 = 1 };
 
-template <uint32_t BLOCK_M_, uint32_t kNumStages_, ScaleMode kScaleMode_, uint32_t SHAPE_N_, uint32_t SHAPE_K_>
+// kClusterN_: CTAs per cluster along N (1 or 2). With 2, the cluster's CTAs compute tiles (m, 2 j) and (m, 2 j + 1)
+// of the same A rows, and each TMA-A warp loads half of A's rows, multicast into both CTAs (gemm/producer.cuh).
+template <uint32_t BLOCK_M_, uint32_t kNumStages_, ScaleMode kScaleMode_, uint32_t SHAPE_N_, uint32_t SHAPE_K_,
+          uint32_t kClusterN_ = 1>
 struct GemmTraits {
     static constexpr uint32_t BLOCK_M = BLOCK_M_;
     static constexpr uint32_t BLOCK_N = 128;
@@ -22,6 +25,7 @@ struct GemmTraits {
     static constexpr ScaleMode kScaleMode = kScaleMode_;
     static constexpr uint32_t SHAPE_N = SHAPE_N_;
     static constexpr uint32_t SHAPE_K = SHAPE_K_;
+    static constexpr uint32_t kClusterN = kClusterN_;
 
     static_assert(BLOCK_M == 32 or BLOCK_M == 64 or BLOCK_M == 128, "BLOCK_M in {32, 64, 128}");
     static_assert(SHAPE_N % BLOCK_N == 0, "N must be a multiple of BLOCK_N = 128");
@@ -29,6 +33,8 @@ struct GemmTraits {
     static_assert(kScaleMode != ScaleMode::kL1GateUp or SHAPE_N % (2 * BLOCK_N) == 0,
                   "L1 mode: N = 2 I with I a multiple of 128");
     static_assert(kNumStages >= 2, "at least double buffering");
+    static_assert(kClusterN == 1 or (kClusterN == 2 and BLOCK_M == 128 and SHAPE_N % (2 * BLOCK_N) == 0),
+                  "A multicast: clusters of 2 CTAs along N, BLOCK_M 128, an even number of n-blocks");
 
     // Cooperative mode: two math warpgroups of 64 rows share each B tile.
     static constexpr uint32_t kNumMathWarpgroups = BLOCK_M == 128 ? 2 : 1;
@@ -47,6 +53,7 @@ struct GemmTraits {
     static constexpr uint32_t kStageBytesSfa = align_up<uint32_t>(kNumSfaPerKBlock * BLOCK_M * 4, 128);
     static constexpr uint32_t kTmaBytesA = BLOCK_M * BLOCK_K + kNumSfaPerKBlock * BLOCK_M * 4;
     static constexpr uint32_t kTmaBytesB = kStageBytesB;
+    static constexpr uint32_t kMulticastRowsA = BLOCK_M / kClusterN;  // A rows each CTA's TMA-A warp loads
     static_assert(kStageBytesA % 1024 == 0 and kStageBytesB % 1024 == 0, "swizzled stages stay 1024 B aligned");
 
     // Shared memory: [A stages][B stages][SFA stages][full barriers][empty barriers]

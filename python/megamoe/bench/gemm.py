@@ -40,13 +40,16 @@ class GemmCase:
     k: int
     mode: str
     block_m: int
+    cluster_n: int = 1  # GemmConfig.cluster_n
 
 
+# L1 mode at BLOCK_M 128 runs with A shared by 2-CTA clusters (+2-8% on an H100, notes/gemm.md); L2 mode, which it
+# slowed by 4-5%, and the L1 row of the L2 row's shape (the two modes compared like for like) without.
 GEMM_CASES = [
     GemmCase("decode 32x24", 32, 24, 4096, 4096, "l1", 64),
-    GemmCase("prefill 32x768", 32, 768, 4096, 4096, "l1", 128),  # the T = 4096 per-rank load of 8 GPUs
-    GemmCase("prefill 32x1536", 32, 1536, 4096, 4096, "l1", 128),
-    GemmCase("4x8192 K7168", 4, 8192, 4096, 7168, "l1", 128),
+    GemmCase("prefill 32x768", 32, 768, 4096, 4096, "l1", 128, 2),  # the T = 4096 per-rank load of 8 GPUs
+    GemmCase("prefill 32x1536", 32, 1536, 4096, 4096, "l1", 128, 2),
+    GemmCase("4x8192 K7168", 4, 8192, 4096, 7168, "l1", 128, 2),
     GemmCase("L2 32x768 K2048", 32, 768, 4096, 2048, "l2", 128),
     GemmCase("L2 32x1536 K2048", 32, 1536, 4096, 2048, "l2", 128),
     GemmCase("L1 32x1536 K2048", 32, 1536, 4096, 2048, "l1", 128),  # the L2 row's shape in L1 mode
@@ -122,13 +125,14 @@ def bench_gemm(cases: list[GemmCase] = GEMM_CASES, *, rounds: int = 9, iters: in
     failed: dict[str, str] = {}
     keys: list[list[tuple[str, str]]] = []  # per case: (impl, runner key)
     for case in cases:
-        config = gemm.GemmConfig(case.block_m, case.mode, case.n, case.k, case.num_groups)
+        config = gemm.GemmConfig(case.block_m, case.mode, case.n, case.k, case.num_groups, cluster_n=case.cluster_n)
         problem = make_problem(config, [case.rows] * case.num_groups, small_int=False)
         d = torch.empty(problem.num_pool_rows, case.n, dtype=torch.bfloat16, device="cuda")
         results.append(GemmCaseResult(case=case.name, flops=2.0 * case.num_groups * case.rows * case.n * case.k,
                                       weight_bytes=float(case.num_groups * case.n * case.k)))
         case_keys = []
-        for impl, make in ((f"megamoe {case.mode} BM{case.block_m} (graphed)",
+        multicast = f" A x{case.cluster_n} CTAs" if case.cluster_n > 1 else ""
+        for impl, make in ((f"megamoe {case.mode} BM{case.block_m}{multicast} (graphed)",
                             lambda p, d=d: (lambda: run_problem(p, d))),
                            ("cuBLAS blockwise loop (graphed)", cublas_blockwise),
                            ("torch._grouped_mm BF16 (graphed)", _bf16_grouped)):

@@ -133,8 +133,10 @@ class Kernel:
     compiled: CompileResult
     num_threads: int
     cooperative: bool = True
+    cluster_size: int = 1  # CTAs per cluster along x (> 1: launched non-cooperatively)
     _loaded: dict[int, LaunchedModule] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _max_active_clusters: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
 
     def load(self, device: torch.device, dynamic_smem_bytes: int) -> None:
         """Load the module on `device` and allow `dynamic_smem_bytes` now, so that a later launch does no driver
@@ -156,6 +158,39 @@ class Kernel:
                 loaded.dynamic_smem_bytes = dynamic_smem_bytes
             return loaded.function
 
+    def _launch_config(self, num_blocks: int, dynamic_smem_bytes: int, stream: Any) -> Any:
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = num_blocks, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = self.num_threads, 1, 1
+        config.sharedMemBytes = dynamic_smem_bytes
+        config.hStream = stream
+        attrs = []
+        if self.cooperative:
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+            attr.value.cooperative = 1
+            attrs.append(attr)
+        if self.cluster_size > 1:
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = self.cluster_size, 1, 1
+            attrs.append(attr)
+        config.attrs = attrs
+        config.numAttrs = len(attrs)
+        return config
+
+    def max_active_clusters(self, device: torch.device, dynamic_smem_bytes: int) -> int:
+        """How many clusters of `cluster_size` CTAs can be resident at once (some SMs may be left out where a GPC's
+        free SMs do not divide into clusters): a persistent kernel's grid must not exceed it."""
+        device_index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (device_index, dynamic_smem_bytes)
+        if key not in self._max_active_clusters:
+            function = self._function(device_index, dynamic_smem_bytes)
+            config = self._launch_config(self.cluster_size, dynamic_smem_bytes, cu.CUstream(0))
+            with torch.cuda.device(device_index):
+                self._max_active_clusters[key] = check(cu.cuOccupancyMaxActiveClusters(function, config))
+        return self._max_active_clusters[key]
+
     def launch(self, num_blocks: int, args: Sequence[Any], dynamic_smem_bytes: int,
                device: torch.device | None = None, stream: torch.cuda.Stream | None = None) -> None:
         """Launch on `stream` (default: torch's current stream of `device`). `args` are ctypes objects
@@ -166,43 +201,30 @@ class Kernel:
         stream = stream or torch.cuda.current_stream(device_index)
         addresses = [a.address if isinstance(a, TensorMap) else ctypes.addressof(a) for a in args]
         params = (ctypes.c_void_p * len(addresses))(*addresses)
-
-        config = cu.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = num_blocks, 1, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = self.num_threads, 1, 1
-        config.sharedMemBytes = dynamic_smem_bytes
-        config.hStream = cu.CUstream(stream.cuda_stream)
-        attrs = []
-        if self.cooperative:
-            attr = cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-            attr.value.cooperative = 1
-            attrs.append(attr)
-        config.attrs = attrs
-        config.numAttrs = len(attrs)
+        config = self._launch_config(num_blocks, dynamic_smem_bytes, cu.CUstream(stream.cuda_stream))
         with torch.cuda.device(device_index):
             check(cu.cuLaunchKernelEx(config, function, ctypes.addressof(params), 0))
 
 
-_loaded_kernels: dict[tuple[str, int, bool], Kernel] = {}
+_loaded_kernels: dict[tuple[str, int, bool, int], Kernel] = {}
 
 
-def load(compiled: CompileResult, num_threads: int, cooperative: bool = True) -> Kernel:
+def load(compiled: CompileResult, num_threads: int, cooperative: bool = True, cluster_size: int = 1) -> Kernel:
     """The Kernel of a compiled cubin, one per (cubin, launch shape) for the process: its module is loaded once
     per device, on first launch."""
-    key = (compiled.key, num_threads, cooperative)
+    key = (compiled.key, num_threads, cooperative, cluster_size)
     kernel = _loaded_kernels.get(key)
     if kernel is None:
-        kernel = _loaded_kernels[key] = Kernel(compiled, num_threads, cooperative)
+        kernel = _loaded_kernels[key] = Kernel(compiled, num_threads, cooperative, cluster_size)
     return kernel
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_for(compile_fn: Callable[[Any], CompileResult], config: Any, num_threads: int,
-               cooperative: bool = True) -> Kernel:
+               cooperative: bool = True, cluster_size: int = 1) -> Kernel:
     """The Kernel of `compile_fn(config)` (a frozen, hashable config), compiled or found in the cache once per
     process: launchers call this on every launch, so the source hashing and cache lookup stay off that path."""
-    return load(compile_fn(config), num_threads, cooperative)
+    return load(compile_fn(config), num_threads, cooperative, cluster_size)
 
 
 def num_sms(device: torch.device | None = None) -> int:

@@ -20,6 +20,9 @@ GEMM_SCHEDULE_CONFIGS = [
     for block_m in (128, 32) for mode in ("l1", "l2") for num_k_blocks in (1, 2, 3, 4, 5, 6, 7, 9, 11)
 ] + [gemm.GemmConfig(block_m, mode, 1024, 1024, len(GEMM_EXACT_COUNTS), band_m=3)
      for block_m, mode in ((32, "l1"), (32, "l2"), (128, "l1"))]
+# A shared by clusters of 2 CTAs along N (TMA multicast), bit-exact in both modes
+GEMM_CLUSTER_CONFIGS = [gemm.GemmConfig(128, mode, 1024, k, len(GEMM_EXACT_COUNTS), cluster_n=2)
+                        for mode, k in (("l1", 2048), ("l2", 1024))]
 # (mode, N, K) covering K in {2048, 4096, 7168} and N in {2048, 4096, 6144}, each BLOCK_M at least once
 GEMM_RANDOM_CONFIGS = [
     gemm.GemmConfig(128, "l1", 6144, 7168, len(GEMM_RANDOM_COUNTS)),
@@ -35,6 +38,8 @@ GEMM_BENCH_CONFIGS = [
     gemm.GemmConfig(128, "l1", 4096, 7168, 4),    # 4 groups x 8192 rows
     gemm.GemmConfig(128, "l2", 4096, 2048, 32),   # L2 mode: 32 groups x 1536 rows
     gemm.GemmConfig(128, "l1", 4096, 2048, 32),   # the L2 row's shape in L1 mode
+    gemm.GemmConfig(128, "l1", 4096, 4096, 32, cluster_n=2),  # the same two L1 rows, A shared by 2-CTA clusters
+    gemm.GemmConfig(128, "l1", 4096, 7168, 4, cluster_n=2),
 ]
 SMOKE_CONFIGS = [smoke.SmokeConfig(32, 32, True), smoke.SmokeConfig(32, 64, False)]
 
@@ -77,7 +82,8 @@ def all_variants() -> list[tuple[str, object, CheckOptions]]:
     # a single block has neither a previous partial nor a next stage)
     gemm_checks = CheckOptions(expect_qgmma=True, expect_promotion_in_flight=True, expect_stage_wait_in_flight=True)
     single_block_checks = CheckOptions(expect_qgmma=True)
-    for config in GEMM_EXACT_CONFIGS + GEMM_SCHEDULE_CONFIGS + GEMM_RANDOM_CONFIGS + GEMM_BENCH_CONFIGS:
+    for config in (GEMM_EXACT_CONFIGS + GEMM_SCHEDULE_CONFIGS + GEMM_CLUSTER_CONFIGS + GEMM_RANDOM_CONFIGS +
+                   GEMM_BENCH_CONFIGS):
         out[config.name] = (config.name, config, gemm_checks if config.k > 128 else single_block_checks)
     for config in FFN_EXACT_CONFIGS + FFN_RANDOM_CONFIGS + FFN_BENCH_CONFIGS:
         out[config.name] = (config.name, config, gemm_checks)

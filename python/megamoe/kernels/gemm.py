@@ -33,6 +33,7 @@ class GemmConfig:
     prefetch: bool = True  # the next stage awaited while a block's last WGMMA group runs
     trace: bool = False  # CTA 0 records its K blocks' timeline (run(..., trace=)); profiling only
     feed_only: bool = False  # no math, output unwritten: the producers' rate; profiling only
+    cluster_n: int = 1  # 2: clusters of 2 CTAs along N share A (each loads half the rows, TMA multicast)
 
     def __post_init__(self) -> None:
         if self.block_m not in (32, 64, 128):
@@ -42,6 +43,9 @@ class GemmConfig:
         if self.n % (256 if self.mode == "l1" else 128) or self.k % 128:
             raise ValueError(f"n must be a multiple of {256 if self.mode == 'l1' else 128} and k of 128, "
                              f"got n={self.n} k={self.k}")
+        if self.cluster_n not in (1, 2) or (self.cluster_n == 2 and (self.block_m != 128 or self.n % 256)):
+            raise ValueError(f"cluster_n must be 1, or 2 with block_m 128 and n a multiple of 256, got "
+                             f"cluster_n={self.cluster_n} block_m={self.block_m} n={self.n}")
         if self.band_m < 1:
             raise ValueError(f"band_m must be >= 1, got {self.band_m}")
         if self.num_stages == 0:
@@ -73,7 +77,8 @@ class GemmConfig:
     def name(self) -> str:
         return (f"megamoe_gemm_{self.mode}_m{self.block_m}_n{self.n}_k{self.k}_e{self.num_experts}"
                 f"_s{self.num_stages}_b{self.band_m}{'' if self.prefetch else '_nopf'}"
-                f"{'_trace' if self.trace else ''}{'_feed' if self.feed_only else ''}")
+                f"{'_trace' if self.trace else ''}{'_feed' if self.feed_only else ''}"
+                f"{f'_c{self.cluster_n}' if self.cluster_n > 1 else ''}")
 
     def pool_offsets(self, num_tokens_per_expert: list[int]) -> list[int]:
         from megamoe.scheduler import pool_offsets
@@ -91,7 +96,7 @@ def source(config: GemmConfig) -> str:
 #include "gemm/grouped_gemm_kernel.cuh"
 
 using Traits = megamoe::gemm::GemmTraits<{config.block_m}, {config.num_stages}, megamoe::gemm::ScaleMode::{mode},
-                                         {config.n}, {config.k}>;
+                                         {config.n}, {config.k}, {config.cluster_n}>;
 static_assert(megamoe::gemm::OutputStaging<Traits>::kKernelSmemBytes == {config.smem_bytes},
               "host and device disagree on the shared-memory size");
 
@@ -142,10 +147,18 @@ def run(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor, b: torch.Tensor
                              f"{tuple(t.shape)} on {t.device}")
     if num_pool_rows % 4:
         raise ValueError(f"the pool's row count must be a multiple of 4 (MN-major SF rows of 16 B), got {num_pool_rows}")
-    kernel = runtime.kernel_for(compile_gemm, config, NUM_THREADS)
+    kernel = runtime.kernel_for(compile_gemm, config, NUM_THREADS, cooperative=config.cluster_n == 1,
+                                cluster_size=config.cluster_n)
     maps = _tensor_maps(config, a, a_sf) + [runtime.ptr(b)]
     env = timeout_records().device_env(rank=0)
-    kernel.launch(num_blocks or runtime.num_sms(a.device),
+    if num_blocks is None:
+        num_blocks = runtime.num_sms(a.device)
+        if config.cluster_n > 1:
+            num_blocks = config.cluster_n * min(num_blocks // config.cluster_n,
+                                                kernel.max_active_clusters(a.device, config.smem_bytes))
+    if num_blocks % config.cluster_n:
+        raise ValueError(f"num_blocks must be a multiple of cluster_n={config.cluster_n}, got {num_blocks}")
+    kernel.launch(num_blocks,
                   [*maps, runtime.ptr(b_sf), runtime.ptr(num_tokens_per_expert), runtime.ptr(d), env,
                    runtime.ptr(trace)],
                   config.smem_bytes, device=a.device)
@@ -155,6 +168,6 @@ def _tensor_maps(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor) -> lis
     from megamoe.jit.runtime import TensorMap
 
     return [
-        TensorMap(a, config.block_m, BLOCK_K, swizzle_bytes=128),
+        TensorMap(a, config.block_m // config.cluster_n, BLOCK_K, swizzle_bytes=128),
         TensorMap(a_sf, config.sf_per_k_block, config.block_m),
     ]
