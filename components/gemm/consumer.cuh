@@ -202,20 +202,8 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages, T::kClusterN>& pi
         ptx::fence_operands(d);
     };
     // The stage's last group completed: release it, trace the block, report a timed-out prefetch wait
-    // In a cluster, a release arrives on the peers' barriers too (remote arrivals), which would sit in the chain
-    // between two of this warpgroup's groups: it is deferred until the next block's first group is issued (the
-    // stage's reads completed at the wait before), except after a tile's last block.
-    constexpr bool kDeferRelease = T::kClusterN > 1;
-    PipelineState<T::kNumStages> pending = state;
-    const auto flush_release = [&](auto has_prev) {
-        if constexpr (kDeferRelease and decltype(has_prev)::value)
-            pipeline.consumer_release(pending, lane);
-    };
     const auto release = [&](auto has_next) {
-        if constexpr (kDeferRelease and decltype(has_next)::value)
-            pending = state;
-        else
-            pipeline.consumer_release(state, lane);
+        pipeline.consumer_release(state, lane);
         if constexpr (kTrace) {
             trace->mark(KBlockEvent::kDone);
             trace->next();
@@ -238,7 +226,6 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages, T::kClusterN>& pi
                               auto has_prev, auto has_next) {
             acquire(kb, prefetched(has_prev));
             issue(kStepsBegin, kStepsEnd, d_cur);
-            flush_release(has_prev);
             if constexpr (decltype(has_prev)::value)
                 promote(acc, d_prev, prev);
             prev = lo;
@@ -272,7 +259,6 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages, T::kClusterN>& pi
         const auto block = [&](uint32_t kb, auto has_prev, auto has_next) {
             acquire(kb, prefetched(has_prev));
             issue(kStepsBegin, kStepsMid, d0);
-            flush_release(has_prev);
             if constexpr (decltype(has_prev)::value)
                 promote(acc, d1, prev_hi);
             complete(d0);

@@ -106,7 +106,7 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
     const GemmSmem<T> smem{smem_buffer};
     const Pipeline<T::kNumStages, T::kClusterN> pipeline{smem.full_barriers(), smem.empty_barriers()};
     const uint32_t lane = lane_idx();
-    const uint32_t cta_rank = T::kClusterN == 1 ? 0 : ptx::cluster_cta_rank();
+    const uint32_t cta_rank = pipeline.cta_rank;
     const uint32_t first_task_idx = blockIdx.x / T::kClusterN, num_clusters = gridDim.x / T::kClusterN;
     const auto locate = [&](Scheduler& scheduler, uint32_t task_idx, Tile& tile) {
         const bool found = scheduler.locate(task_idx, tile);

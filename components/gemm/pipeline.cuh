@@ -22,10 +22,11 @@ struct PipelineState {
     }
 };
 
-// kClusterSize > 1: each stage's A is multicast by every CTA of the cluster, so a stage is free only once the math
-// warps of all of them are done with it: every math warp arrives on the empty barrier of each CTA in the cluster.
+// kClusterSize = 2: each stage's A is multicast by both CTAs of the cluster, so a stage is free only once the math
+// warps of both are done with it: every math warp arrives on the empty barriers of both CTAs.
 template <uint32_t kNumStages, uint32_t kClusterSize = 1>
 struct Pipeline {
+    static_assert(kClusterSize == 1 or kClusterSize == 2, "a CTA alone or a pair");
     uint64_t* full_barriers;   // [kNumStages], 2 arrivals (TMA-A and TMA-B warps) + transaction bytes
     uint64_t* empty_barriers;  // [kNumStages], one arrival per math warp (of each CTA in the cluster)
     // Shared-window addresses of the barriers, computed once (a generic-to-shared conversion reads SR_CgaCtaId)
@@ -33,7 +34,8 @@ struct Pipeline {
     uint32_t empty_addr = smem_addr(empty_barriers);
     uint32_t cta_rank = kClusterSize == 1 ? 0 : ptx::cluster_cta_rank();
 
-    // One thread initializes; fence_mbarrier_init + a CTA barrier must follow before use.
+    // One thread initializes; fence_mbarrier_init + a CTA barrier (in a cluster: a cluster barrier) must follow
+    // before use.
     MEGAMOE_DEVICE void init(uint32_t num_producers, uint32_t num_consumer_warps) const {
         #pragma unroll
         for (uint32_t i = 0; i < kNumStages; ++ i) {
@@ -83,16 +85,11 @@ struct Pipeline {
 
     // Consumer release: one arrival per math warp, after that warp's wgmma reads of the stage completed.
     MEGAMOE_DEVICE void consumer_release(const PipelineState<kNumStages>& state, uint32_t lane) const {
-        if constexpr (kClusterSize == 1) {
-            ptx::mbarrier_arrive_if_at(empty_addr + state.stage * 8, lane == 0);
-        } else {
-            // This CTA's barrier through its own window, the peers' through the cluster window
-            ptx::mbarrier_arrive_if_at(empty_addr + state.stage * 8, lane == 0);
-            const uint32_t bar_addr = empty_addr + state.stage * 8;
-            #pragma unroll
-            for (uint32_t i = 1; i < kClusterSize; ++ i)
-                ptx::mbarrier_arrive_cluster_if(ptx::map_to_cta(bar_addr, (cta_rank + i) % kClusterSize), lane == 0);
-        }
+        // (in a cluster: this CTA's barrier through its own window, the peer's through the cluster window)
+        const uint32_t bar_addr = empty_addr + state.stage * 8;
+        ptx::mbarrier_arrive_if_at(bar_addr, lane == 0);
+        if constexpr (kClusterSize == 2)
+            ptx::mbarrier_arrive_cluster_if(ptx::map_to_cta(bar_addr, cta_rank ^ 1), lane == 0);
     }
 };
 

@@ -52,8 +52,8 @@ MEGAMOE_DEVICE void produce_a_tile(const Pipeline<T::kNumStages, T::kClusterN>& 
 // floor 4.44 (notes/gemm.md).
 template <typename T>
 MEGAMOE_DEVICE void produce_b_tile(const Pipeline<T::kNumStages, T::kClusterN>& pipeline,
-                                   PipelineState<T::kNumStages>& state, const GemmSmem<T>& smem, const uint8_t* b_tiles, uint32_t tile_idx,
-                                   const DeviceEnv& env) {
+                                   PipelineState<T::kNumStages>& state, const GemmSmem<T>& smem,
+                                   const uint8_t* b_tiles, uint32_t tile_idx, const DeviceEnv& env) {
     static_assert(T::kTmaBytesB == T::BLOCK_N * T::BLOCK_K, "one stage of B is one whole 128 x 128 B block");
     const uint8_t* tile = b_tiles + static_cast<uint64_t>(tile_idx) * T::kNumKBlocks * T::kTmaBytesB;
     #pragma unroll 1
