@@ -28,20 +28,27 @@ def tree_env(name: str) -> dict[str, str]:
                 MEGAMOE_JIT_CACHE_DIR=str(AB_DIR / name / "cache"))
 
 
+def extract_tree(spec: str) -> str:
+    """NAME=REV: the revision's files (REV a git revision, or WORKTREE: the tracked and untracked non-ignored files
+    as they are) into .jit-ab/NAME/tree; returns NAME."""
+    name, rev = spec.split("=", 1)
+    tree = AB_DIR / name / "tree"
+    subprocess.run(["rm", "-rf", str(tree)], check=True)
+    tree.mkdir(parents=True)
+    if rev == "WORKTREE":
+        files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                               capture_output=True).stdout
+        pack = subprocess.run(["tar", "-c", "--null", "-T", "-"], cwd=ROOT, input=files, check=True,
+                              capture_output=True).stdout
+    else:
+        pack = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=pack, check=True)
+    return name
+
+
 def prepare(specs: list[str], tokens: str, shape: str) -> None:
     for spec in specs:
-        name, rev = spec.split("=", 1)
-        tree = AB_DIR / name / "tree"
-        subprocess.run(["rm", "-rf", str(tree)], check=True)
-        tree.mkdir(parents=True)
-        if rev == "WORKTREE":
-            files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
-                                   capture_output=True).stdout
-            pack = subprocess.run(["tar", "-c", "--null", "-T", "-"], cwd=ROOT, input=files, check=True,
-                                  capture_output=True).stdout
-        else:
-            pack = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=pack, check=True)
+        name = extract_tree(spec)
         subprocess.run([sys.executable, __file__, "compile", "--tokens", tokens, "--shape", shape],
                        env=tree_env(name), check=True)
 
