@@ -238,7 +238,7 @@ MEGAMOE_DEVICE void scatter_tile(const FusedContext<T>& ctx, const QueuedTask& t
             const uint64_t row_dst = __shfl_sync(0xffffffffu, dst, row_in_group);
             if (row < num_valid_rows)
                 combine::store_combine_chunk(reinterpret_cast<__nv_bfloat16*>(row_dst), chunk * epilogue::kChunkCols,
-                                             epilogue::l2_load_staged_chunk<T::BLOCK_M>(staging, row, chunk));
+                                             epilogue::l2_load_staged_chunk<typename T::L2Staging>(staging, row, chunk));
         }
     }
 }
@@ -420,7 +420,7 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
             else
                 ptx::named_barrier_sync<kStagingFreeBarrierIdx, kNumMathThreads>();
             if (frag.warp_row() < T::BLOCK_M)
-                epilogue::l2_stage_bf16<T::BLOCK_M>(acc, frag, staging);
+                epilogue::l2_stage_bf16<typename T::L2Staging>(acc, frag, staging);
             Handoff::publish();
             staging_held_by_l2 = true;
         }

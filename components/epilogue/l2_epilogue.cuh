@@ -1,6 +1,7 @@
 // L2 epilogue: the promoted fp32 accumulator of one L2 tile -> BF16 (round to nearest even), staged in shared
-// memory as the rows the combine scatter reads: BLOCK_M rows of 128 BF16 (256 B), one row per (token, slot)
-// destination. Also a copy of the staged rows to a BF16 [P, H] matrix (the unit kernel's output).
+// memory, in one of two layouts: the rows the combine scatter reads (L2Staging: BLOCK_M rows of 128 BF16, one row
+// per (token, slot) destination), or two TMA boxes of 64 columns (L2BoxStaging: the unit kernel's BF16 [P, H]
+// output, stored by the TMA for a full tile). Also a copy of the staged rows by threads (partial tiles).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -26,13 +27,30 @@ struct L2Staging {
     }
 };
 
-// Stage the thread's accumulator as BF16: per pair of chunks (j, j + 1) one stmatrix.x4 of the 8x8 blocks
-// (rows 0-7 of the warp, chunk j), (rows 8-15, j), (rows 0-7, j + 1), (rows 8-15, j + 1); lane l addresses
+// Two boxes of BLOCK_M rows x 64 BF16 (128 B), columns 0..63 then 64..127, each in the TMA's 128 B swizzle: the
+// 16-byte chunk c % 8 of row r sits at position (c % 8) ^ (r % 8) of the row's 128 B (an 8x8 stmatrix block's 8
+// rows again in 8 distinct bank groups). Boxes start 1024 B aligned when the staging does.
+template <uint32_t BLOCK_M>
+struct L2BoxStaging {
+    static constexpr uint32_t kBoxCols = kTileCols / 2;
+    static constexpr uint32_t kBoxRowBytes = kBoxCols * sizeof(__nv_bfloat16);
+    static constexpr uint32_t kBoxBytes = BLOCK_M * kBoxRowBytes;
+    static constexpr uint32_t kBytes = 2 * kBoxBytes;
+    static constexpr uint32_t kNumRowChunks = 2 * kBoxRowBytes / 16;
+    static_assert(kBoxRowBytes == 128 and kBoxBytes % 1024 == 0, "a box is whole 128 B swizzle atoms");
+
+    MEGAMOE_HOST_DEVICE static constexpr uint32_t chunk_offset(uint32_t row, uint32_t chunk) {
+        return (chunk / 8) * kBoxBytes + row * kBoxRowBytes + (((chunk % 8) ^ (row % 8)) * 16);
+    }
+};
+
+// Stage the thread's accumulator as BF16 in `Staging`'s layout (L2Staging or L2BoxStaging): per pair of chunks
+// (j, j + 1) one stmatrix.x4 of the 8x8 blocks (rows 0-7 of the warp, chunk j), (rows 8-15, j), (rows 0-7, j + 1),
+// (rows 8-15, j + 1); lane l addresses
 // row 8 ((l / 8) % 2) + l % 8 of the warp's 16, chunk j + l / 16. Call from whole warps whose rows lie inside
 // the tile.
-template <uint32_t BLOCK_M>
+template <typename Staging>
 MEGAMOE_DEVICE void l2_stage_bf16(const float (&acc)[kNumAccum], const AccFragment& frag, uint8_t* staging) {
-    using Staging = L2Staging<BLOCK_M>;
     const uint32_t lane = lane_idx();
     const uint32_t row = frag.warp_row() + 8 * ((lane / 8) % 2) + lane % 8;
     const uint32_t chunk_step = lane / 16;
@@ -48,21 +66,21 @@ MEGAMOE_DEVICE void l2_stage_bf16(const float (&acc)[kNumAccum], const AccFragme
 }
 
 // The 16 bytes (8 BF16, columns 8 chunk ..) of staged row `row`.
-template <uint32_t BLOCK_M>
+template <typename Staging>
 MEGAMOE_DEVICE uint4 l2_load_staged_chunk(const uint8_t* staging, uint32_t row, uint32_t chunk) {
-    return ld_shared_v4(smem_addr(staging) + L2Staging<BLOCK_M>::chunk_offset(row, chunk));
+    return ld_shared_v4(smem_addr(staging) + Staging::chunk_offset(row, chunk));
 }
 
 // Copy the first num_valid_rows staged rows to dst (row i at dst + i * dst_row_elems), 16 B per thread and step;
 // kNumThreads threads, `thread_idx` among them. Padding rows are never written.
-template <uint32_t BLOCK_M, uint32_t kNumThreads>
+template <typename Staging, uint32_t kNumThreads>
 MEGAMOE_DEVICE void l2_copy_staged_rows(const uint8_t* staging, uint32_t num_valid_rows, __nv_bfloat16* dst,
                                         uint32_t dst_row_elems, uint32_t thread_idx) {
-    constexpr uint32_t kNumRowChunks = L2Staging<BLOCK_M>::kNumRowChunks;
+    constexpr uint32_t kNumRowChunks = Staging::kNumRowChunks;
     for (uint32_t i = thread_idx; i < num_valid_rows * kNumRowChunks; i += kNumThreads) {
         const uint32_t row = i / kNumRowChunks, chunk = i % kNumRowChunks;
         *reinterpret_cast<uint4*>(dst + static_cast<uint64_t>(row) * dst_row_elems + chunk * kChunkCols) =
-            l2_load_staged_chunk<BLOCK_M>(staging, row, chunk);
+            l2_load_staged_chunk<Staging>(staging, row, chunk);
     }
 }
 

@@ -1,7 +1,7 @@
 """The epilogue component's unit kernel (assembler/expert_ffn_kernel.cuh): the local expert FFN of one rank over a
 pool, L1 grouped GEMM + L1 epilogue (SwiGLU x top-k weight, per-64 FP8 requant, TMA store, L1 completion counters),
-then L2 grouped GEMM + L2 epilogue (BF16 staging, valid rows copied to [P, H]), in one persistent launch whose L2
-producer waits for each pool block's L1 completion counter.
+then L2 grouped GEMM + L2 epilogue (BF16 staging, valid rows copied to [P, H], or full tiles TMA-stored), in one
+persistent launch whose L2 producer waits for each pool block's L1 completion counter.
 
 This module: the config, the generated source and the launch. Problems with their references and the checks of
 the outputs: megamoe.testing.expert_ffn and megamoe.testing.expert_ffn_checks."""
@@ -45,6 +45,7 @@ class ExpertFfnConfig:
     num_stages: int = 0  # 0: as many as fit (at most MAX_NUM_STAGES)
     band_m: int = 1  # m-blocks per band of the tile order, n-block-major inside a band (1: M-major)
     prefetch: bool = True  # the next stage awaited while a block's last WGMMA group runs
+    tma_store_l2: bool = False  # full L2 output tiles stored by the TMA (two 64-column boxes)
 
     def __post_init__(self) -> None:
         if self.band_m < 1:
@@ -80,7 +81,8 @@ class ExpertFfnConfig:
 
     @property
     def staging_bytes(self) -> int:
-        """max(L1: 2 buffers of (FP8 tile BLOCK_M x 64 B + BLOCK_M SFs), L2: BLOCK_M rows x 256 B): a union."""
+        """max(L1: 2 buffers of (FP8 tile BLOCK_M x 64 B + BLOCK_M SFs), L2: BLOCK_M rows x 256 B, as rows or as two
+        64-column boxes): a union."""
         l1 = 2 * _align(self.block_m * (L1_OUTPUT_COLS + 4), 128)
         l2 = self.block_m * BLOCK_N * 2
         return max(l1, l2)
@@ -99,7 +101,8 @@ class ExpertFfnConfig:
         return (f"megamoe_expert_ffn_m{self.block_m}_h{self.hidden}_i{self.intermediate}_e{self.num_experts}"
                 f"_{'clamp' if self.clamp else 'noclamp'}_{'fast' if self.fast_math else 'exact'}"
                 f"{'_dbg' if self.debug_l1_acc else ''}_s{self.num_stages}"
-                f"{f'_b{self.band_m}' if self.band_m != 1 else ''}{'' if self.prefetch else '_nopf'}")
+                f"{f'_b{self.band_m}' if self.band_m != 1 else ''}{'' if self.prefetch else '_nopf'}"
+                f"{'_tma' if self.tma_store_l2 else ''}")
 
     def pool_offsets(self, num_tokens_per_expert: list[int]) -> list[int]:
         from megamoe.scheduler import pool_offsets
@@ -123,7 +126,8 @@ using Traits = megamoe::assembler::ExpertFfnTraits<{config.block_m}, {config.num
                                                    {config.intermediate}, {config.num_experts},
                                                    {flag[config.clamp]}, {flag[config.fast_math]},
                                                    {flag[config.debug_l1_acc]}, {config.band_m},
-                                                   {flag[bool(config.prefetch)]}>;
+                                                   {flag[bool(config.prefetch)]},
+                                                   {flag[bool(config.tma_store_l2)]}>;
 static_assert(Traits::kSmemBytes == {config.smem_bytes}, "host and device disagree on the shared-memory size");
 static_assert(Traits::kOffsetStaging == {config.staging_offset}, "host and device disagree on the staging offset");
 
@@ -135,12 +139,13 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
               const __grid_constant__ CUtensorMap tensor_map_l2_sfa,
               const uint8_t* w2,
               const __grid_constant__ CUtensorMap tensor_map_act_store,
+              const __grid_constant__ CUtensorMap tensor_map_out_store,
               const float* w1_sf, const float* w2_sf, const int* num_tokens_per_expert, const float* topk_weights,
               float* act_sf, uint32_t* l1_done_count, __nv_bfloat16* out, float* l1_acc, uint32_t num_pool_rows,
               float clamp, const megamoe::DeviceEnv env) {{
     const megamoe::assembler::ExpertFfnMaps maps{{&tensor_map_l1_a, &tensor_map_l1_sfa, w1,
                                                   &tensor_map_l2_a, &tensor_map_l2_sfa, w2,
-                                                  &tensor_map_act_store}};
+                                                  &tensor_map_act_store, &tensor_map_out_store}};
     const megamoe::assembler::ExpertFfnParams params{{w1_sf, w2_sf, num_tokens_per_expert, topk_weights, act_sf,
                                                      l1_done_count, out, l1_acc, num_pool_rows, clamp}};
     megamoe::assembler::expert_ffn_impl<Traits>(maps, params, env);
@@ -270,4 +275,5 @@ def _tensor_maps(config: ExpertFfnConfig, inputs: FfnInputs, outputs: FfnOutputs
         TensorMap(outputs.l2_acts_sf, 2, bm),
         runtime.ptr(inputs.w2),
         TensorMap(outputs.l2_acts, bm, L1_OUTPUT_COLS),
+        TensorMap(outputs.out, bm, BLOCK_N // 2, swizzle_bytes=128),  # one 64-column box of an L2 output tile
     ]
