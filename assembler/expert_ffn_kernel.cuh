@@ -132,7 +132,8 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
         ptx::prefetch_tensormap(maps.l2_a);
         ptx::prefetch_tensormap(maps.l2_sfa);
         ptx::prefetch_tensormap(maps.act_store);
-        ptx::prefetch_tensormap(maps.out_store);
+        if constexpr (T::kTmaStoreL2)
+            ptx::prefetch_tensormap(maps.out_store);
         pipeline.init(2, L1::kNumMathWarps);
         ptx::fence_mbarrier_init();
     }

@@ -6,6 +6,7 @@
 
 #include <cuda_bf16.h>
 
+#include "common/tma.cuh"
 #include "epilogue/fragment.cuh"
 #include "epilogue/smem.cuh"
 
@@ -40,15 +41,14 @@ struct L2BoxStaging {
     static_assert(kBoxRowBytes == 128 and kBoxBytes % 1024 == 0, "a box is whole 128 B swizzle atoms");
 
     MEGAMOE_HOST_DEVICE static constexpr uint32_t chunk_offset(uint32_t row, uint32_t chunk) {
-        return (chunk / 8) * kBoxBytes + row * kBoxRowBytes + (((chunk % 8) ^ (row % 8)) * 16);
+        return (chunk / 8) * kBoxBytes + ptx::swizzle_128b_offset(row, (chunk % 8) * 16);
     }
 };
 
 // Stage the thread's accumulator as BF16 in `Staging`'s layout (L2Staging or L2BoxStaging): per pair of chunks
 // (j, j + 1) one stmatrix.x4 of the 8x8 blocks (rows 0-7 of the warp, chunk j), (rows 8-15, j), (rows 0-7, j + 1),
-// (rows 8-15, j + 1); lane l addresses
-// row 8 ((l / 8) % 2) + l % 8 of the warp's 16, chunk j + l / 16. Call from whole warps whose rows lie inside
-// the tile.
+// (rows 8-15, j + 1); lane l addresses row 8 ((l / 8) % 2) + l % 8 of the warp's 16, chunk j + l / 16. Call from
+// whole warps whose rows lie inside the tile.
 template <typename Staging>
 MEGAMOE_DEVICE void l2_stage_bf16(const float (&acc)[kNumAccum], const AccFragment& frag, uint8_t* staging) {
     const uint32_t lane = lane_idx();

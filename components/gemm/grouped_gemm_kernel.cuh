@@ -10,6 +10,7 @@
 #include "common/fence.cuh"
 #include "common/sync.cuh"
 #include "common/kernel_skeleton.cuh"
+#include "common/tma.cuh"
 #include "gemm/consumer.cuh"
 #include "gemm/producer.cuh"
 #include "gemm/tile_scheduler.cuh"
@@ -26,6 +27,7 @@ template <typename T, uint32_t kNumBuffers_ = 1>
 struct OutputStaging {
     static constexpr uint32_t kNumPasses = 2;
     static constexpr uint32_t kNumBuffers = kNumBuffers_;
+    static constexpr uint32_t kNumRows = T::BLOCK_M;
     static constexpr uint32_t kPassCols = T::BLOCK_N / kNumPasses;
     static constexpr uint32_t kNumChunks = kPassCols / 8;  // per row and pass
     static constexpr uint32_t kRowBytes = kPassCols * 2;
@@ -39,7 +41,7 @@ struct OutputStaging {
     static_assert(kKernelSmemBytes <= kSmemLimit, "ring + output staging over the SM90 per-block limit");
 
     MEGAMOE_DEVICE static uint32_t slot_offset(uint32_t row, uint32_t chunk) {
-        return row * kRowBytes + ((chunk ^ (row % 8)) * 16);
+        return ptx::swizzle_128b_offset(row, chunk * 16);
     }
 };
 
@@ -54,7 +56,7 @@ MEGAMOE_DEVICE void stage_pass_bf16(const float (&acc)[WGMMA::kNumAccum], const 
     #pragma unroll
     for (uint32_t half = 0; half < 2; ++ half) {
         const uint32_t row = frag.row + half * 8;
-        if (row >= Staging::kBufferBytes / Staging::kRowBytes)
+        if (row >= Staging::kNumRows)
             continue;
         #pragma unroll
         for (uint32_t c = 0; c < Staging::kNumChunks; ++ c) {
@@ -164,7 +166,8 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
         MEGAMOE_DEVICE_ASSERT(smem_addr(smem_buffer) % 1024 == 0);
         ptx::prefetch_tensormap(tensor_map_a);
         ptx::prefetch_tensormap(tensor_map_sfa);
-        ptx::prefetch_tensormap(tensor_map_d);
+        if constexpr (kTmaStore)
+            ptx::prefetch_tensormap(tensor_map_d);
         pipeline.init(2, T::kNumMathWarps);
         ptx::fence_mbarrier_init();
     }
