@@ -9,8 +9,6 @@
 
 #include <cuda_bf16.h>
 
-#include <type_traits>
-
 #include "common/fence.cuh"
 #include "common/sync.cuh"
 #include "common/kernel_skeleton.cuh"
@@ -29,11 +27,9 @@ constexpr uint32_t kStagingFreeBarrierIdx = 2;  // every reader of the shared st
 constexpr uint32_t kL2StagedBarrierIdx = 3;     // L2 staging written -> TMA stores issued, or rows copied out
 
 // kBandM: m-blocks per band of the tile order (gemm/tile_scheduler.cuh); kPrefetch: the next stage awaited while
-// a block's last WGMMA group runs (gemm/consumer.cuh); kTmaStoreL2: full L2 tiles staged as two boxes and stored by
-// the TMA (else every L2 tile staged as rows and copied out by the threads).
+// a block's last WGMMA group runs (gemm/consumer.cuh).
 template <uint32_t BLOCK_M_, uint32_t kNumStages_, uint32_t kHidden_, uint32_t kIntermediate_, uint32_t kNumExperts_,
-          bool kClamp_, bool kFastMath_, bool kDebugL1Acc_, uint32_t kBandM_ = 1, bool kPrefetch_ = true,
-          bool kTmaStoreL2_ = false>
+          bool kClamp_, bool kFastMath_, bool kDebugL1Acc_, uint32_t kBandM_ = 1, bool kPrefetch_ = true>
 struct ExpertFfnTraits {
     static constexpr uint32_t BLOCK_M = BLOCK_M_;
     static constexpr uint32_t kNumStages = kNumStages_;
@@ -45,7 +41,6 @@ struct ExpertFfnTraits {
     static constexpr bool kDebugL1Acc = kDebugL1Acc_;
     static constexpr uint32_t kBandM = kBandM_;
     static constexpr bool kPrefetch = kPrefetch_;
-    static constexpr bool kTmaStoreL2 = kTmaStoreL2_;
 
     using L1Base = gemm::GemmTraits<BLOCK_M, kNumStages, gemm::ScaleMode::kL1GateUp, 2 * kIntermediate, kHidden>;
     using L2Base = gemm::GemmTraits<BLOCK_M, kNumStages, gemm::ScaleMode::kL2Per64, kHidden, kIntermediate>;
@@ -61,11 +56,11 @@ struct ExpertFfnTraits {
     static_assert(kNumL1NBlocks * epilogue::kL1OutputCols == kIntermediate, "each L1 tile yields 64 of I columns");
     static_assert(kNumExperts >= 1, "at least one expert");
 
-    // Shared memory: [ring: A stages, B stages, SFA stages, barriers][staging: L1 double buffer | L2 rows or boxes]
+    // Shared memory: [ring: A stages, B stages, SFA stages, barriers][staging: L1 double buffer | L2 boxes]. A full
+    // L2 tile leaves by two TMA stores of its boxes (against rows copied out by the threads: +3-4% at prefill on an
+    // H100, notes/gemm.md); a partial one is copied out by the threads from the same boxes.
     using L1Staging = epilogue::L1Staging<BLOCK_M>;
-    using L2Staging = std::conditional_t<kTmaStoreL2, epilogue::L2BoxStaging<BLOCK_M>, epilogue::L2Staging<BLOCK_M>>;
-    static_assert(epilogue::L2BoxStaging<BLOCK_M>::kBytes == epilogue::L2Staging<BLOCK_M>::kBytes,
-                  "either L2 staging fits the same plan");
+    using L2Staging = epilogue::L2BoxStaging<BLOCK_M>;
     static constexpr uint32_t kOffsetStaging = align_up<uint32_t>(L2::kSmemBytes, 1024);
     static constexpr uint32_t kStagingBytes =
         L1Staging::kBytes > L2Staging::kBytes ? L1Staging::kBytes : L2Staging::kBytes;
@@ -132,8 +127,7 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
         ptx::prefetch_tensormap(maps.l2_a);
         ptx::prefetch_tensormap(maps.l2_sfa);
         ptx::prefetch_tensormap(maps.act_store);
-        if constexpr (T::kTmaStoreL2)
-            ptx::prefetch_tensormap(maps.out_store);
+        ptx::prefetch_tensormap(maps.out_store);
         pipeline.init(2, L1::kNumMathWarps);
         ptx::fence_mbarrier_init();
     }
@@ -212,7 +206,7 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                     epilogue::store_l1_acc_natural<T::kIntermediate>(acc, frag, out_tile, p.l1_acc);
                 // The L1 buffers alias the L2 staging: wait for its readers (the threads' copies, the TMA stores)
                 if (staging_held_by_l2) {
-                    if (T::kTmaStoreL2 and is_store_thread)
+                    if (is_store_thread)
                         ptx::bulk_wait_group_read<0>();
                     ptx::named_barrier_sync<kStagingFreeBarrierIdx, kNumMathThreads>();
                 }
@@ -230,28 +224,24 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 // Stage as BF16 once every earlier reader of the staging area is done (the L1 stores were waited
                 // for above, the previous L2 tile's TMA stores here, by the thread that issued them, before it
                 // reached this barrier)
-                if (T::kTmaStoreL2 and is_store_thread)
+                if (is_store_thread)
                     ptx::bulk_wait_group_read<0>();
                 ptx::named_barrier_sync<kStagingFreeBarrierIdx, kNumMathThreads>();
                 if (frag.warp_row() < T::BLOCK_M)
                     epilogue::l2_stage_bf16<typename T::L2Staging>(acc, frag, staging);
-                bool is_full = false;
-                if constexpr (T::kTmaStoreL2) {
-                    is_full = tile.num_valid_rows == T::BLOCK_M;
-                    if (is_full) {
-                        // A full tile leaves as two TMA stores (the math warps go on to their next tile meanwhile)
-                        ptx::fence_proxy_async_shared_cta();
-                        ptx::named_barrier_sync<kL2StagedBarrierIdx, kNumMathThreads>();
-                        if (is_store_thread) {
-                            const int32_t col = tile.n_block_idx * L2::BLOCK_N, row = tile.pool_row;
-                            ptx::tma_store_2d(maps.out_store, staging, col, row);
-                            ptx::tma_store_2d(maps.out_store, staging + T::L2Staging::kBoxBytes,
-                                              col + T::L2Staging::kBoxCols, row);
-                            ptx::bulk_commit_group();
-                        }
+                const bool is_full = tile.num_valid_rows == T::BLOCK_M;
+                if (is_full) {
+                    // A full tile leaves as two TMA stores (the math warps go on to their next tile meanwhile)
+                    ptx::fence_proxy_async_shared_cta();
+                    ptx::named_barrier_sync<kL2StagedBarrierIdx, kNumMathThreads>();
+                    if (is_store_thread) {
+                        const int32_t col = tile.n_block_idx * L2::BLOCK_N, row = tile.pool_row;
+                        ptx::tma_store_2d(maps.out_store, staging, col, row);
+                        ptx::tma_store_2d(maps.out_store, staging + T::L2Staging::kBoxBytes,
+                                          col + T::L2Staging::kBoxCols, row);
+                        ptx::bulk_commit_group();
                     }
-                }
-                if (not is_full) {
+                } else {
                     // The threads copy the valid rows (a partial tile's padding rows stay unwritten)
                     ptx::named_barrier_sync<kL2StagedBarrierIdx, kNumMathThreads>();
                     epilogue::l2_copy_staged_rows<typename T::L2Staging, kNumMathThreads>(
@@ -266,7 +256,7 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
         // kernel ends
         if (is_store_thread)
             l1_state.publish_pending(l1_args.done_counts);
-        if (T::kTmaStoreL2 and is_store_thread and staging_held_by_l2)
+        if (is_store_thread and staging_held_by_l2)
             ptx::bulk_wait_group_read<0>();
     };
     run_warp_roles<L1::kNumMathWarpgroups, SpareWarpgroup::kReleaseRegisters>(

@@ -10,9 +10,9 @@ from megamoe.kernels import catalog, gemm  # noqa: E402
 
 def test_names_unique_and_knobs_in_source() -> None:
     configs = (catalog.GEMM_EXACT_CONFIGS + catalog.GEMM_SCHEDULE_CONFIGS + catalog.GEMM_CLUSTER_CONFIGS
-               + catalog.GEMM_STORE_CONFIGS + catalog.GEMM_RANDOM_CONFIGS + catalog.GEMM_BENCH_CONFIGS)
-    distinct = {(c.block_m, c.mode, c.n, c.k, c.num_experts, c.band_m, c.prefetch, c.cluster_n, c.store_buffers,
-                 c.tma_store) for c in configs}
+               + catalog.GEMM_RANDOM_CONFIGS + catalog.GEMM_BENCH_CONFIGS)
+    distinct = {(c.block_m, c.mode, c.n, c.k, c.num_experts, c.band_m, c.prefetch, c.cluster_n)
+                for c in configs}
     assert len({c.name for c in configs}) == len(distinct)
     default = gemm.GemmConfig(128, "l2", 4096, 2048, 32)
     assert default.band_m == 16 and default.prefetch
@@ -52,12 +52,10 @@ def test_schedule_cases_cover_the_consumer_paths() -> None:
     assert banded and all(max(-(-n // c.block_m) for n in catalog.GEMM_EXACT_COUNTS) % c.band_m for c in banded)
 
 
-def test_store_buffers_knob() -> None:
-    half = gemm.GemmConfig(128, "l2", 4096, 2048, 32)
-    whole = gemm.GemmConfig(128, "l2", 4096, 2048, 32, store_buffers=2, tma_store=True)
-    assert whole.name.endswith("_sb2_tma") and "OutputStaging<Traits, 2>" in gemm.source(whole)
-    assert "                                     2, true>(" in gemm.source(whole)
-    assert not half.tma_store and "                                     1, false>(" in gemm.source(half)
-    assert whole.staging_bytes == 2 * half.staging_bytes and whole.num_stages < half.num_stages
-    with pytest.raises(ValueError, match="store_buffers"):
-        gemm.GemmConfig(128, "l1", 1024, 1024, 2, store_buffers=3)
+def test_output_staging_whole_tile() -> None:
+    # the whole BF16 output tile is staged for the TMA store, next to as many ring stages as fit
+    for block_m, num_stages in ((32, 8), (64, 8), (128, 5)):
+        config = gemm.GemmConfig(block_m, "l2", 4096, 2048, 32)
+        assert config.staging_bytes == block_m * 128 * 2
+        assert config.num_stages == num_stages and config.smem_bytes <= gemm.SMEM_LIMIT
+        assert "OutputStaging<Traits>::kKernelSmemBytes == " + str(config.smem_bytes) in gemm.source(config)

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cuda_bf16.h>
-#include <type_traits>
 
 #include "common/fence.cuh"
 #include "common/sync.cuh"
@@ -19,25 +18,23 @@ namespace megamoe::gemm {
 
 // The output tile leaves through shared memory in two passes of 64 columns (a thread's fragment holds 2-column
 // pairs of 2 rows: stored directly, each warp store touches 8 rows with 16 bytes each and the LSU queue throttles;
-// measured with ncu: 6.7% of all warp samples on those stores). kNumBuffers = 1 stages half a tile (six 32 KiB
-// stages still fit beside it at BLOCK_M = 128), 2 the whole tile. Row r of a pass is 128 bytes, 8 chunks of 8
-// columns; chunk c sits at slot c ^ (r % 8): a warp's fragment writes (8 rows x 4 lanes of one chunk) fall into 32
-// distinct banks, and a pass is a box of the output in the TMA's 128 B swizzle (buffers 1024 B aligned).
-template <typename T, uint32_t kNumBuffers_ = 1>
+// measured with ncu: 6.7% of all warp samples on those stores). The whole tile is staged, one buffer per pass (half
+// a tile staged, one more ring stage, lost: notes/gemm.md). Row r of a pass is 128 bytes, 8 chunks of 8 columns;
+// chunk c sits at slot c ^ (r % 8): a warp's fragment writes (8 rows x 4 lanes of one chunk) fall into 32 distinct
+// banks, and a pass is a box of the output in the TMA's 128 B swizzle (buffers 1024 B aligned).
+template <typename T>
 struct OutputStaging {
     static constexpr uint32_t kNumPasses = 2;
-    static constexpr uint32_t kNumBuffers = kNumBuffers_;
     static constexpr uint32_t kNumRows = T::BLOCK_M;
     static constexpr uint32_t kPassCols = T::BLOCK_N / kNumPasses;
     static constexpr uint32_t kNumChunks = kPassCols / 8;  // per row and pass
     static constexpr uint32_t kRowBytes = kPassCols * 2;
     static constexpr uint32_t kBufferBytes = T::BLOCK_M * kRowBytes;
-    static constexpr uint32_t kBytes = kNumBuffers * kBufferBytes;
+    static constexpr uint32_t kBytes = kNumPasses * kBufferBytes;
     static constexpr uint32_t kOffset = align_up<uint32_t>(T::kSmemBytes, 1024);
     static constexpr uint32_t kKernelSmemBytes = kOffset + kBytes;  // the standalone kernel's whole carve-up
     static_assert(kNumChunks == 8 and T::BLOCK_N == WGMMA::N, "64-column passes over one 128-column WGMMA tile");
     static_assert(kRowBytes == 128 and kBufferBytes % 1024 == 0, "a pass is whole 128 B swizzle atoms");
-    static_assert(kNumBuffers == 1 or kNumBuffers == kNumPasses, "half a tile or the whole tile staged");
     static_assert(kKernelSmemBytes <= kSmemLimit, "ring + output staging over the SM90 per-block limit");
 
     MEGAMOE_DEVICE static uint32_t slot_offset(uint32_t row, uint32_t chunk) {
@@ -81,70 +78,51 @@ MEGAMOE_DEVICE void copy_staged_pass(const uint8_t* buffer, const Tile& tile, __
     }
 }
 
-// The whole tile, pass by pass. kTmaStore: a full tile leaves as one TMA store per pass, issued by math thread 0, so
-// the math warps go on to the next tile while the stores run; otherwise, and for a partial tile (its padding rows
-// must stay unwritten, which a box store cannot do), the threads copy the valid rows out.
-// NOTES: a buffer is restaged only after the stores that read it have finished reading (math thread 0 waits for
-// its bulk groups' reads, then the staging-free barrier); each writer's fence.proxy.async orders its st.shared
+// The whole tile: a full tile leaves as one TMA store per pass, issued by math thread 0, so the math warps go on to
+// the next tile while the stores run (against the threads' copy: +4-12% at prefill on an H100, notes/gemm.md); a
+// partial tile's valid rows are copied out by the threads (its padding rows must stay unwritten, which a box store
+// cannot do).
+// NOTES: the staging is rewritten only after the stores that read it have finished reading (math thread 0 waits for
+// its bulk group's reads, then the staging-free barrier); each writer's fence.proxy.async orders its st.shared
 // before the TMA store's reads, the staged barrier makes them all precede the issue. Math thread 0 waits for every
 // bulk group's reads before the kernel exits (after the warp roles: in the math role it spilled).
-template <typename T, typename Staging, bool kTmaStore>
+template <typename T, typename Staging>
 MEGAMOE_DEVICE void store_tile_bf16(const float (&acc)[WGMMA::kNumAccum], const AccFragment& frag, const Tile& tile,
                                     uint8_t* staging, __nv_bfloat16* d, const CUtensorMap* tensor_map_d,
                                     uint32_t math_thread_idx) {
     const bool is_store_thread = math_thread_idx == 0;
-    const bool is_full = kTmaStore and tile.num_valid_rows == T::BLOCK_M;
-    uint8_t* buffer_1 = staging + (Staging::kNumBuffers - 1) * Staging::kBufferBytes;
-    // Send the staged pass out: one TMA store of a full tile's pass, or the threads' copy of the valid rows
-    const auto emit = [&](auto pass, const uint8_t* buffer) {
-        if (is_full) {
-            if (is_store_thread)
-                ptx::tma_store_2d(tensor_map_d, buffer, tile.n_block_idx * T::BLOCK_N + pass.value * Staging::kPassCols,
-                                  tile.pool_row);
-        } else {
-            copy_staged_pass<T, Staging, pass.value>(buffer, tile, d, math_thread_idx);
-        }
-    };
-    // The async proxy's side, compiled in with kTmaStore only
-    const auto fence_for_tma = []() {
-        if constexpr (kTmaStore)
-            ptx::fence_proxy_async_shared_cta();
-    };
-    if (kTmaStore and is_store_thread)
+    const bool is_full = tile.num_valid_rows == T::BLOCK_M;
+    uint8_t* buffer_1 = staging + Staging::kBufferBytes;
+    if (is_store_thread)
         ptx::bulk_wait_group_read<0>();
     ptx::named_barrier_sync<kStagingFreeBarrierIdx, T::kNumMathThreads>();
     stage_pass_bf16<Staging, 0>(acc, frag, staging);
-    if constexpr (Staging::kNumBuffers == 1) {
-        fence_for_tma();
-        ptx::named_barrier_sync<kStagedBarrierIdx, T::kNumMathThreads>();
-        emit(std::integral_constant<uint32_t, 0>{}, staging);
-        if (is_store_thread and is_full) {
-            ptx::bulk_commit_group();
-            ptx::bulk_wait_group_read<0>();
-        }
-        ptx::named_barrier_sync<kStagingFreeBarrierIdx, T::kNumMathThreads>();
-    }
     stage_pass_bf16<Staging, 1>(acc, frag, buffer_1);
-    fence_for_tma();
+    ptx::fence_proxy_async_shared_cta();
     ptx::named_barrier_sync<kStagedBarrierIdx, T::kNumMathThreads>();
-    if constexpr (Staging::kNumBuffers == 2)
-        emit(std::integral_constant<uint32_t, 0>{}, staging);
-    emit(std::integral_constant<uint32_t, 1>{}, buffer_1);
-    if (is_store_thread and is_full)
-        ptx::bulk_commit_group();
+    if (is_full) {
+        if (is_store_thread) {
+            const int32_t col = tile.n_block_idx * T::BLOCK_N;
+            ptx::tma_store_2d(tensor_map_d, staging, col, tile.pool_row);
+            ptx::tma_store_2d(tensor_map_d, buffer_1, col + Staging::kPassCols, tile.pool_row);
+            ptx::bulk_commit_group();
+        }
+    } else {
+        copy_staged_pass<T, Staging, 0>(staging, tile, d, math_thread_idx);
+        copy_staged_pass<T, Staging, 1>(buffer_1, tile, d, math_thread_idx);
+    }
 }
 
 // kBandM: m-blocks per band of the tile order (gemm/tile_scheduler.cuh). kPrefetch: the next stage awaited while a
 // block's last WGMMA group runs (gemm/consumer.cuh). kTrace: CTA 0 records its K blocks' timeline into `trace`
-// (gemm/kblock_trace.cuh). kFeedOnly: no math (the producers' rate; the output is not written). kStoreBuffers:
-// half (1) or the whole (2) output tile staged (OutputStaging); kTmaStore: full tiles stored by the TMA.
+// (gemm/kblock_trace.cuh). kFeedOnly: no math (the producers' rate; the output is not written).
 template <typename T, uint32_t kNumExperts, uint32_t kBandM, bool kPrefetch, bool kTrace = false,
-          bool kFeedOnly = false, uint32_t kStoreBuffers = 1, bool kTmaStore = false>
+          bool kFeedOnly = false>
 MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUtensorMap* tensor_map_sfa,
                                       const CUtensorMap* tensor_map_d, const uint8_t* b_tiles, const float* w_sf,
                                       const int* num_tokens_per_expert, __nv_bfloat16* d, const DeviceEnv& env,
                                       unsigned long long* trace = nullptr) {
-    using Staging = OutputStaging<T, kStoreBuffers>;
+    using Staging = OutputStaging<T>;
     // Tiles are handed out per cluster: a cluster's CTAs take the same (expert, m-block) and n-blocks
     // kClusterN j + rank, so that they share A (gemm/producer.cuh)
     using Scheduler = GroupedTileScheduler<T::BLOCK_M, T::kNumNBlocks / T::kClusterN, kNumExperts, kBandM>;
@@ -166,8 +144,7 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
         MEGAMOE_DEVICE_ASSERT(smem_addr(smem_buffer) % 1024 == 0);
         ptx::prefetch_tensormap(tensor_map_a);
         ptx::prefetch_tensormap(tensor_map_sfa);
-        if constexpr (kTmaStore)
-            ptx::prefetch_tensormap(tensor_map_d);
+        ptx::prefetch_tensormap(tensor_map_d);
         pipeline.init(2, T::kNumMathWarps);
         ptx::fence_mbarrier_init();
     }
@@ -220,7 +197,7 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
             if (has_next)
                 weight_scales = WeightScales::load<T>(w_sf, next_tile.expert_idx, next_tile.n_block_idx, lane);
             if constexpr (not kFeedOnly)
-                store_tile_bf16<T, Staging, kTmaStore>(acc, frag, tile, staging, d, tensor_map_d, math_thread_idx);
+                store_tile_bf16<T, Staging>(acc, frag, tile, staging, d, tensor_map_d, math_thread_idx);
             tile = next_tile;
             has_tile = has_next;
         }
@@ -228,7 +205,7 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
     run_warp_roles<T::kNumMathWarpgroups, SpareWarpgroup::kReleaseRegisters>(
         NoRole{}, [&]() { produce(true); }, [&]() { produce(false); }, math, NoRole{});
     // The staging must outlive the TMA stores that read it (math thread 0 issued them all)
-    if (kTmaStore and threadIdx.x == kFirstMathThread)
+    if (threadIdx.x == kFirstMathThread)
         ptx::bulk_wait_group_read<0>();
     // NOTES: in a cluster, no CTA exits while its peer may still multicast into its stages or arrive on its
     // barriers (both walk the same tasks, so both are done once both got here)

@@ -23,10 +23,6 @@ GEMM_SCHEDULE_CONFIGS = [
 # A shared by clusters of 2 CTAs along N (TMA multicast), bit-exact in both modes
 GEMM_CLUSTER_CONFIGS = [gemm.GemmConfig(128, mode, 1024, k, len(GEMM_EXACT_COUNTS), cluster_n=2)
                         for mode, k in (("l1", 2048), ("l2", 1024))]
-# Full output tiles stored by the TMA, half or the whole tile staged, bit-exact (not yet run on a GPU: default off)
-GEMM_STORE_CONFIGS = [gemm.GemmConfig(block_m, mode, 1024, k, len(GEMM_EXACT_COUNTS), store_buffers=buffers,
-                                      tma_store=True)
-                      for block_m in (128, 32) for mode, k in (("l1", 2048), ("l2", 1024)) for buffers in (1, 2)]
 # (mode, N, K) covering K in {2048, 4096, 7168} and N in {2048, 4096, 6144}, each BLOCK_M at least once
 GEMM_RANDOM_CONFIGS = [
     gemm.GemmConfig(128, "l1", 6144, 7168, len(GEMM_RANDOM_COUNTS)),
@@ -59,10 +55,6 @@ FFN_EXACT_CONFIGS = [
 ] + [
     expert_ffn.ExpertFfnConfig(128, 7168, 3072, len(FFN_EXACT_COUNTS), True, False, debug_l1_acc=True),
     expert_ffn.ExpertFfnConfig(32, 4096, 2048, len(FFN_EXACT_COUNTS), False, True, debug_l1_acc=True),
-] + [  # full L2 tiles stored by the TMA (not yet run on a GPU: default off)
-    expert_ffn.ExpertFfnConfig(block_m, 2048, 1024, len(FFN_EXACT_COUNTS), True, True, debug_l1_acc=True,
-                               tma_store_l2=True)
-    for block_m in (32, 128)
 ]
 FFN_RANDOM_CONFIGS = [
     expert_ffn.ExpertFfnConfig(block_m, hidden, intermediate, len(FFN_RANDOM_COUNTS), clamp, fast)
@@ -90,8 +82,8 @@ def all_variants() -> list[tuple[str, object, CheckOptions]]:
     # a single block has neither a previous partial nor a next stage)
     gemm_checks = CheckOptions(expect_qgmma=True, expect_promotion_in_flight=True, expect_stage_wait_in_flight=True)
     single_block_checks = CheckOptions(expect_qgmma=True)
-    for config in (GEMM_EXACT_CONFIGS + GEMM_SCHEDULE_CONFIGS + GEMM_CLUSTER_CONFIGS + GEMM_STORE_CONFIGS +
-                   GEMM_RANDOM_CONFIGS + GEMM_BENCH_CONFIGS):
+    for config in (GEMM_EXACT_CONFIGS + GEMM_SCHEDULE_CONFIGS + GEMM_CLUSTER_CONFIGS + GEMM_RANDOM_CONFIGS +
+                   GEMM_BENCH_CONFIGS):
         out[config.name] = (config.name, config, gemm_checks if config.k > 128 else single_block_checks)
     for config in FFN_EXACT_CONFIGS + FFN_RANDOM_CONFIGS + FFN_BENCH_CONFIGS:
         out[config.name] = (config.name, config, gemm_checks)

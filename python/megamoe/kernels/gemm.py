@@ -34,8 +34,6 @@ class GemmConfig:
     trace: bool = False  # CTA 0 records its K blocks' timeline (run(..., trace=)); profiling only
     feed_only: bool = False  # no math, output unwritten: the producers' rate; profiling only
     cluster_n: int = 1  # 2: clusters of 2 CTAs along N share A (each loads half the rows, TMA multicast)
-    store_buffers: int = 1  # output staging: half the tile (1) or all of it (2)
-    tma_store: bool = False  # full output tiles stored by the TMA (one 2D store per 64-column pass)
 
     def __post_init__(self) -> None:
         if self.block_m not in (32, 64, 128):
@@ -48,8 +46,6 @@ class GemmConfig:
         if self.cluster_n not in (1, 2) or (self.cluster_n == 2 and (self.block_m != 128 or self.n % 256)):
             raise ValueError(f"cluster_n must be 1, or 2 with block_m 128 and n a multiple of 256, got "
                              f"cluster_n={self.cluster_n} block_m={self.block_m} n={self.n}")
-        if self.store_buffers not in (1, 2):
-            raise ValueError(f"store_buffers must be 1 or 2, got {self.store_buffers}")
         if self.band_m < 1:
             raise ValueError(f"band_m must be >= 1, got {self.band_m}")
         if self.num_stages == 0:
@@ -69,9 +65,9 @@ class GemmConfig:
 
     @property
     def staging_bytes(self) -> int:
-        """Half the output tile (or all of it) staged as BF16 rows after the ring (gemm/grouped_gemm_kernel.cuh:
+        """The whole output tile staged as BF16 after the ring, for the TMA store (gemm/grouped_gemm_kernel.cuh:
         OutputStaging)."""
-        return self.store_buffers * self.block_m * BLOCK_N
+        return 2 * self.block_m * BLOCK_N
 
     @property
     def smem_bytes(self) -> int:
@@ -83,8 +79,7 @@ class GemmConfig:
         return (f"megamoe_gemm_{self.mode}_m{self.block_m}_n{self.n}_k{self.k}_e{self.num_experts}"
                 f"_s{self.num_stages}_b{self.band_m}{'' if self.prefetch else '_nopf'}"
                 f"{'_trace' if self.trace else ''}{'_feed' if self.feed_only else ''}"
-                f"{f'_c{self.cluster_n}' if self.cluster_n > 1 else ''}"
-                f"{f'_sb{self.store_buffers}' if self.store_buffers > 1 else ''}{'_tma' if self.tma_store else ''}")
+                f"{f'_c{self.cluster_n}' if self.cluster_n > 1 else ''}")
 
     def pool_offsets(self, num_tokens_per_expert: list[int]) -> list[int]:
         from megamoe.scheduler import pool_offsets
@@ -103,7 +98,7 @@ def source(config: GemmConfig) -> str:
 
 using Traits = megamoe::gemm::GemmTraits<{config.block_m}, {config.num_stages}, megamoe::gemm::ScaleMode::{mode},
                                          {config.n}, {config.k}, {config.cluster_n}>;
-static_assert(megamoe::gemm::OutputStaging<Traits, {config.store_buffers}>::kKernelSmemBytes == {config.smem_bytes},
+static_assert(megamoe::gemm::OutputStaging<Traits>::kKernelSmemBytes == {config.smem_bytes},
               "host and device disagree on the shared-memory size");
 
 extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
@@ -112,8 +107,7 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
               const int* num_tokens_per_expert, __nv_bfloat16* d, const megamoe::DeviceEnv env,
               unsigned long long* trace) {{
     megamoe::gemm::grouped_gemm_impl<Traits, {config.num_experts}, {config.band_m}, {_cpp_bool(config.prefetch)},
-                                     {_cpp_bool(config.trace)}, {_cpp_bool(config.feed_only)},
-                                     {config.store_buffers}, {_cpp_bool(config.tma_store)}>(
+                                     {_cpp_bool(config.trace)}, {_cpp_bool(config.feed_only)}>(
         &tensor_map_a, &tensor_map_sfa, &tensor_map_d, b_tiles, w_sf, num_tokens_per_expert, d, env, trace);
 }}
 """
