@@ -53,8 +53,11 @@ VARIANTS = (Variant(128, "none"), Variant(128, "one"), Variant(128, "two"),
             Variant(192, "none"), Variant(192, "one"), Variant(256, "none"), Variant(128, "one64"),
             Variant(128, "two64"))
 # The fill's effect on the L1 consumer (two partials) and on the bare tensor pipe: unpaced, and paced near the GEMM's
-# own fill (32 KB per 128-K block, whose WGMMAs take 512 tensor clocks: 64 B per clock) and half of it
-FILL_VARIANTS = tuple(Variant(128, promote, interval) for promote in ("none", "two") for interval in (0, 256, 512))
+# own fill (32 KB per 128-K block, whose WGMMAs take 512 tensor clocks: 64 B per clock) and half of it; and on a
+# 192-wide tile with one partial (the widest L1 tile whose partial and accumulator fit the registers; its fill is
+# 40 KB per 768 tensor clocks: 16 KB per 315)
+FILL_VARIANTS = tuple(Variant(128, promote, interval) for promote in ("none", "two") for interval in (0, 256, 512)) + (
+    Variant(192, "one", 0), Variant(192, "one", 320))
 FILL_BYTES = 16384
 FILL_SRC_BYTES = 1 << 22  # 4 MB read round robin: L2-resident, as most of the GEMM's operand loads
 NUM_CTAS = 132
@@ -255,7 +258,8 @@ def main() -> None:
     parser.add_argument("--fill", action="store_true", help="only the shared-memory fill table (and its baselines)")
     args = parser.parse_args()
     console = Console(width=150)
-    variants = (Variant(128, "none"), Variant(128, "two")) + FILL_VARIANTS if args.fill else VARIANTS
+    baselines = (Variant(128, "none"), Variant(128, "two"), Variant(192, "one"))
+    variants = baselines + FILL_VARIANTS if args.fill else VARIANTS
     builds = {v: compile_variant(v) for v in variants}
     for v, b in builds.items():
         f = b.functions[0] if b.functions else None

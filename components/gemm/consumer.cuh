@@ -131,7 +131,9 @@ MEGAMOE_DEVICE void for_each_index(std::integer_sequence<uint32_t, kIdx...>, con
 // timeout is reported after the group's wait; whether a next block exists is a compile-time fact of each call
 // (the first and last blocks are peeled), never a branch in flight. Blocking stage waits run with nothing in flight.
 // Every K-block count from 1 to 64 compiles without spills in both modes (ptxas, BLOCK_M 128: notes/gemm.md).
-template <typename T, bool kTrace = false, bool kFeedOnly = false, bool kPrefetch = true>
+// kOnePartial (L1 only): each block's group is promoted right after its wait instead (one partial: 64 fewer
+// accumulator registers; under evaluation, notes/gemm.md).
+template <typename T, bool kTrace = false, bool kFeedOnly = false, bool kPrefetch = true, bool kOnePartial = false>
 MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages, T::kClusterN>& pipeline,
                                  PipelineState<T::kNumStages>& state, const GemmSmem<T>& smem,
                                  const WeightScales& weight_scales, uint32_t math_wg_idx, uint32_t thread_in_wg,
@@ -218,6 +220,35 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages, T::kClusterN>& pi
         return std::integral_constant<bool, kPrefetch and decltype(has_prev)::value>{};
     };
 
+    static_assert(kL1 or not kOnePartial, "one partial: L1 mode only");
+    if constexpr (kOnePartial) {
+        // Block kb into d, promoted once its group completed (the other warpgroup's groups keep the tensor cores
+        // busy meanwhile)
+        float d[WGMMA::kNumAccum];
+        const auto step = [&](uint32_t kb, auto has_prev, auto has_next) {
+            acquire(kb, prefetched(has_prev));
+            issue(kStepsBegin, kStepsEnd, d);
+            const PromoteScales scales = lo;
+            prefetch(kb, has_next);
+            complete(d);
+            release(has_next);
+            promote(acc, d, scales);
+        };
+        // Up to kMaxPeeledBlocks every block is peeled (a loop run once or twice spilled 184 B at 3 blocks)
+        constexpr uint32_t kMaxPeeledBlocks = 7;
+        step(0, kNo, kFirstHasNext);
+        if constexpr (kNumKBlocks > 1 and kNumKBlocks <= kMaxPeeledBlocks) {
+            for_each_index(std::make_integer_sequence<uint32_t, kNumKBlocks - 2>{},
+                           [&](auto idx) { step(decltype(idx)::value + 1, kYes, kYes); });
+            step(kNumKBlocks - 1, kYes, kNo);
+        } else if constexpr (kNumKBlocks > 1) {
+            #pragma unroll 1
+            for (uint32_t kb = 1; kb + 1 < kNumKBlocks; ++ kb)
+                step(kb, kYes, kYes);
+            step(kNumKBlocks - 1, kYes, kNo);
+        }
+        return;
+    }
     float d0[WGMMA::kNumAccum], d1[WGMMA::kNumAccum];
     if constexpr (kL1) {
         // Block kb into d_cur while block kb - 1's partial (d_prev, scales prev) is promoted
