@@ -27,9 +27,10 @@ constexpr uint32_t kStagingFreeBarrierIdx = 2;  // every reader of the shared st
 constexpr uint32_t kL2StagedBarrierIdx = 3;     // L2 staging written -> TMA stores issued, or rows copied out
 
 // kBandM: m-blocks per band of the tile order (gemm/tile_scheduler.cuh); kPrefetch: the next stage awaited while
-// a block's last WGMMA group runs (gemm/consumer.cuh).
+// a block's last WGMMA group runs (gemm/consumer.cuh); kOnePartialL1: L1 blocks promoted after their own wait.
 template <uint32_t BLOCK_M_, uint32_t kNumStages_, uint32_t kHidden_, uint32_t kIntermediate_, uint32_t kNumExperts_,
-          bool kClamp_, bool kFastMath_, bool kDebugL1Acc_, uint32_t kBandM_ = 1, bool kPrefetch_ = true>
+          bool kClamp_, bool kFastMath_, bool kDebugL1Acc_, uint32_t kBandM_ = 1, bool kPrefetch_ = true,
+          bool kOnePartialL1_ = false>
 struct ExpertFfnTraits {
     static constexpr uint32_t BLOCK_M = BLOCK_M_;
     static constexpr uint32_t kNumStages = kNumStages_;
@@ -41,6 +42,7 @@ struct ExpertFfnTraits {
     static constexpr bool kDebugL1Acc = kDebugL1Acc_;
     static constexpr uint32_t kBandM = kBandM_;
     static constexpr bool kPrefetch = kPrefetch_;
+    static constexpr bool kOnePartialL1 = kOnePartialL1_;
 
     using L1Base = gemm::GemmTraits<BLOCK_M, kNumStages, gemm::ScaleMode::kL1GateUp, 2 * kIntermediate, kHidden>;
     using L2Base = gemm::GemmTraits<BLOCK_M, kNumStages, gemm::ScaleMode::kL2Per64, kHidden, kIntermediate>;
@@ -199,8 +201,8 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 acc[i] = 0.0f;
 
             if (task.phase == Phase::kL1) {
-                gemm::consume_tile<L1, false, false, T::kPrefetch>(pipeline, state, smem_l1, weight_scales,
-                                                                   math_wg_idx, thread_in_wg, acc, env);
+                gemm::consume_tile<L1, false, false, T::kPrefetch, T::kOnePartialL1>(
+                    pipeline, state, smem_l1, weight_scales, math_wg_idx, thread_in_wg, acc, env);
                 has_task = locate_next(next_task);
                 if constexpr (T::kDebugL1Acc)
                     epilogue::store_l1_acc_natural<T::kIntermediate>(acc, frag, out_tile, p.l1_acc);

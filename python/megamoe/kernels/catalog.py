@@ -59,6 +59,10 @@ FFN_EXACT_CONFIGS = [
 ] + [
     expert_ffn.ExpertFfnConfig(128, 7168, 3072, len(FFN_EXACT_COUNTS), True, False, debug_l1_acc=True),
     expert_ffn.ExpertFfnConfig(32, 4096, 2048, len(FFN_EXACT_COUNTS), False, True, debug_l1_acc=True),
+] + [  # L1 blocks promoted after their own wait (not yet run on a GPU: default off)
+    expert_ffn.ExpertFfnConfig(block_m, 2048, 1024, len(FFN_EXACT_COUNTS), True, True, debug_l1_acc=True,
+                               l1_partials=1)
+    for block_m in (32, 128)
 ]
 FFN_RANDOM_CONFIGS = [
     expert_ffn.ExpertFfnConfig(block_m, hidden, intermediate, len(FFN_RANDOM_COUNTS), clamp, fast)
