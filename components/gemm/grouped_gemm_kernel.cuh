@@ -191,8 +191,8 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
             #pragma unroll
             for (uint32_t i = 0; i < WGMMA::kNumAccum; ++ i)
                 acc[i] = 0.0f;
-            consume_tile<T, kTrace, kFeedOnly, kPrefetch, kOnePartial>(pipeline, state, smem, weight_scales, math_wg_idx,
-                                                          thread_in_wg, acc, env, &tracer);
+            consume_tile<T, kTrace, kFeedOnly, kPrefetch, kOnePartial>(pipeline, state, smem, weight_scales,
+                                                                       math_wg_idx, thread_in_wg, acc, env, &tracer);
             task_idx += num_clusters;
             const bool has_next = locate(scheduler, task_idx, next_tile);
             if (has_next)
