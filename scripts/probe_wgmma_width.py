@@ -8,6 +8,8 @@ data), promoted as the GEMM consumer does:
   two   two partials: block b runs while block b - 1's partial is promoted (gemm/consumer.cuh, L1 mode)
   one64 as one, per 64-K half with its own scale (L2 mode's per-64 activation SF: twice the promotions)
   two64 as two, per 64-K half: half h runs while half h - 1 is promoted (gemm/consumer.cuh, L2 mode)
+  pair64 per 64-K half, both halves' groups issued back to back, waited for, then both promoted
+         (GemmConfig.promote_after_wait in L2 mode)
 fill  (a second table) warp 0 streams 16 KB bulk copies (L2-resident source) into a ring of 4 buffers beside the
       operands while the WGMMAs run, one copy per `interval` SM clocks (0: as fast as they complete): the GEMM's
       TMA fill of its stages (A + B, 32 KB per 128-K block of both warpgroups) competes with the WGMMAs' operand
@@ -35,7 +37,7 @@ from megamoe.jit import compiler, runtime
 @dataclass(frozen=True)
 class Variant:
     n: int
-    promote: str  # none | one | two | one64 | two64
+    promote: str  # none | one | two | one64 | two64 | pair64
     fill_interval: int = -1  # -1: no fill; else SM clocks between 16 KB bulk copies into shared memory (0: unpaced)
 
     @property
@@ -46,12 +48,12 @@ class Variant:
     @property
     def accum_regs(self) -> int:
         per = self.n // 2
-        return per * {"none": 1, "one": 2, "two": 3, "one64": 2, "two64": 3}[self.promote]
+        return per * {"none": 1, "one": 2, "two": 3, "one64": 2, "two64": 3, "pair64": 3}[self.promote]
 
 
 VARIANTS = (Variant(128, "none"), Variant(128, "one"), Variant(128, "two"),
             Variant(192, "none"), Variant(192, "one"), Variant(256, "none"), Variant(128, "one64"),
-            Variant(128, "two64"))
+            Variant(128, "two64"), Variant(128, "pair64"))
 # The fill's effect on the L1 consumer (two partials) and on the bare tensor pipe: unpaced, and paced near the GEMM's
 # own fill (32 KB per 128-K block, whose WGMMAs take 512 tensor clocks: 64 B per clock) and half of it; and on a
 # 192-wide tile with one partial (the widest L1 tile whose partial and accumulator fit the registers; its fill is
@@ -209,6 +211,19 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         ptx::wgmma_wait_group<0>();
         ptx::fence_operands(d);
         promote_rows(acc, d, s + 2.0f, s + 3.0f);
+    }}
+""",
+        "pair64": f"""
+    float d0[{regs}], d1[{regs}];
+    #pragma unroll 1
+    for (uint32_t b = 0; b < num_blocks; ++ b) {{
+        issue<false, 0, 2>(desc_a, desc_b, d0);
+        issue<false, 2, 2>(desc_a, desc_b, d1);
+        ptx::wgmma_wait_group<0>();
+        ptx::fence_operands(d0);
+        ptx::fence_operands(d1);
+        promote_rows(acc, d0, s, s + 1.0f);
+        promote_rows(acc, d1, s + 2.0f, s + 3.0f);
     }}
 """,
         "two64": f"""

@@ -10,9 +10,9 @@ from megamoe.kernels import catalog, gemm  # noqa: E402
 
 def test_names_unique_and_knobs_in_source() -> None:
     configs = (catalog.GEMM_EXACT_CONFIGS + catalog.GEMM_SCHEDULE_CONFIGS + catalog.GEMM_CLUSTER_CONFIGS
-               + catalog.GEMM_PARTIAL_CONFIGS + catalog.GEMM_RANDOM_CONFIGS + catalog.GEMM_BENCH_CONFIGS)
+               + catalog.GEMM_AFTER_WAIT_CONFIGS + catalog.GEMM_RANDOM_CONFIGS + catalog.GEMM_BENCH_CONFIGS)
     distinct = {(c.block_m, c.mode, c.n, c.k, c.num_experts, c.band_m, c.prefetch, c.cluster_n,
-                 c.l1_partials) for c in configs}
+                 c.promote_after_wait) for c in configs}
     assert len({c.name for c in configs}) == len(distinct)
     default = gemm.GemmConfig(128, "l2", 4096, 2048, 32)
     assert default.band_m == 16 and default.prefetch
@@ -61,12 +61,9 @@ def test_output_staging_whole_tile() -> None:
         assert "OutputStaging<Traits>::kKernelSmemBytes == " + str(config.smem_bytes) in gemm.source(config)
 
 
-def test_l1_partials_knob() -> None:
-    one, two = (gemm.GemmConfig(128, "l1", 1024, 2048, 6, l1_partials=p) for p in (1, 2))
+def test_promote_after_wait_knob() -> None:
     flag = "false, false,\n                                     {}>("
-    assert one.name.endswith("_b16_p1") and flag.format("true") in gemm.source(one)
-    assert two.l1_partials == 2 and flag.format("false") in gemm.source(two)
-    with pytest.raises(ValueError, match="l1_partials"):
-        gemm.GemmConfig(128, "l2", 1024, 1024, 2, l1_partials=1)
-    with pytest.raises(ValueError, match="l1_partials"):
-        gemm.GemmConfig(128, "l1", 1024, 1024, 2, l1_partials=3)
+    for mode in ("l1", "l2"):
+        after, default = (gemm.GemmConfig(128, mode, 1024, 2048, 6, promote_after_wait=p) for p in (True, False))
+        assert after.name.endswith("_b16_paw") and flag.format("true") in gemm.source(after)
+        assert not default.promote_after_wait and flag.format("false") in gemm.source(default)

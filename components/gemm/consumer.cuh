@@ -131,9 +131,11 @@ MEGAMOE_DEVICE void for_each_index(std::integer_sequence<uint32_t, kIdx...>, con
 // timeout is reported after the group's wait; whether a next block exists is a compile-time fact of each call
 // (the first and last blocks are peeled), never a branch in flight. Blocking stage waits run with nothing in flight.
 // Every K-block count from 1 to 64 compiles without spills in both modes (ptxas, BLOCK_M 128: notes/gemm.md).
-// kOnePartial (L1 only): each block's group is promoted right after its wait instead (one partial: 64 fewer
-// accumulator registers; under evaluation, notes/gemm.md).
-template <typename T, bool kTrace = false, bool kFeedOnly = false, bool kPrefetch = true, bool kOnePartial = false>
+// kPromoteAfterWait: each block's groups are promoted right after the block's wait instead, while the other
+// warpgroup's groups keep the tensor cores busy (L1: one partial, 64 fewer accumulator registers; L2: both halves'
+// groups issued back to back, then both promoted; under evaluation, notes/gemm.md).
+template <typename T, bool kTrace = false, bool kFeedOnly = false, bool kPrefetch = true,
+          bool kPromoteAfterWait = false>
 MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages, T::kClusterN>& pipeline,
                                  PipelineState<T::kNumStages>& state, const GemmSmem<T>& smem,
                                  const WeightScales& weight_scales, uint32_t math_wg_idx, uint32_t thread_in_wg,
@@ -220,19 +222,29 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages, T::kClusterN>& pi
         return std::integral_constant<bool, kPrefetch and decltype(has_prev)::value>{};
     };
 
-    static_assert(kL1 or not kOnePartial, "one partial: L1 mode only");
-    if constexpr (kOnePartial) {
-        // Block kb into d, promoted once its group completed (the other warpgroup's groups keep the tensor cores
-        // busy meanwhile)
-        float d[WGMMA::kNumAccum];
+    if constexpr (kPromoteAfterWait) {
+        // Block kb's groups (L1: one; L2: one per 64-K half, issued back to back), promoted once they completed
+        float d0[WGMMA::kNumAccum];
+        [[maybe_unused]] float d1[WGMMA::kNumAccum];
         const auto step = [&](uint32_t kb, auto has_prev, auto has_next) {
             acquire(kb, prefetched(has_prev));
-            issue(kStepsBegin, kStepsEnd, d);
-            const PromoteScales scales = lo;
+            if constexpr (kL1) {
+                issue(kStepsBegin, kStepsEnd, d0);
+            } else {
+                issue(kStepsBegin, kStepsMid, d0);
+                issue(kStepsMid, kStepsEnd, d1);
+            }
+            const PromoteScales scales_lo = lo;
+            [[maybe_unused]] const PromoteScales scales_hi = hi;
             prefetch(kb, has_next);
-            complete(d);
+            ptx::wgmma_wait_group<0>();
+            ptx::fence_operands(d0);
+            if constexpr (not kL1)
+                ptx::fence_operands(d1);
             release(has_next);
-            promote(acc, d, scales);
+            promote(acc, d0, scales_lo);
+            if constexpr (not kL1)
+                promote(acc, d1, scales_hi);
         };
         // Up to kMaxPeeledBlocks every block is peeled (a loop run once or twice spilled 184 B at 3 blocks)
         constexpr uint32_t kMaxPeeledBlocks = 7;

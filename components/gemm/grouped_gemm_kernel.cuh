@@ -115,10 +115,10 @@ MEGAMOE_DEVICE void store_tile_bf16(const float (&acc)[WGMMA::kNumAccum], const 
 
 // kBandM: m-blocks per band of the tile order (gemm/tile_scheduler.cuh). kPrefetch: the next stage awaited while a
 // block's last WGMMA group runs (gemm/consumer.cuh). kTrace: CTA 0 records its K blocks' timeline into `trace`
-// (gemm/kblock_trace.cuh). kFeedOnly: no math (the producers' rate; the output is not written). kOnePartial: L1
-// blocks promoted after their own wait (gemm/consumer.cuh).
+// (gemm/kblock_trace.cuh). kFeedOnly: no math (the producers' rate; the output is not written).
+// kPromoteAfterWait: blocks promoted after their own wait (gemm/consumer.cuh).
 template <typename T, uint32_t kNumExperts, uint32_t kBandM, bool kPrefetch, bool kTrace = false,
-          bool kFeedOnly = false, bool kOnePartial = false>
+          bool kFeedOnly = false, bool kPromoteAfterWait = false>
 MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUtensorMap* tensor_map_sfa,
                                       const CUtensorMap* tensor_map_d, const uint8_t* b_tiles, const float* w_sf,
                                       const int* num_tokens_per_expert, __nv_bfloat16* d, const DeviceEnv& env,
@@ -191,8 +191,8 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
             #pragma unroll
             for (uint32_t i = 0; i < WGMMA::kNumAccum; ++ i)
                 acc[i] = 0.0f;
-            consume_tile<T, kTrace, kFeedOnly, kPrefetch, kOnePartial>(pipeline, state, smem, weight_scales,
-                                                                       math_wg_idx, thread_in_wg, acc, env, &tracer);
+            consume_tile<T, kTrace, kFeedOnly, kPrefetch, kPromoteAfterWait>(
+                pipeline, state, smem, weight_scales, math_wg_idx, thread_in_wg, acc, env, &tracer);
             task_idx += num_clusters;
             const bool has_next = locate(scheduler, task_idx, next_tile);
             if (has_next)

@@ -45,11 +45,9 @@ class ExpertFfnConfig:
     num_stages: int = 0  # 0: as many as fit (at most MAX_NUM_STAGES)
     band_m: int = 1  # m-blocks per band of the tile order, n-block-major inside a band (1: M-major)
     prefetch: bool = True  # the next stage awaited while a block's last WGMMA group runs
-    l1_partials: int = 2  # L1 tiles: 2 = a block runs while the previous one is promoted, 1 = promoted after its wait
+    promote_after_wait: bool = False  # a block promoted after its own wait (else while the next group runs)
 
     def __post_init__(self) -> None:
-        if self.l1_partials not in (1, 2):
-            raise ValueError(f"l1_partials must be 1 or 2, got {self.l1_partials}")
         if self.band_m < 1:
             raise ValueError(f"band_m must be >= 1, got {self.band_m}")
         if self.block_m not in (32, 64, 128):
@@ -104,7 +102,7 @@ class ExpertFfnConfig:
                 f"_{'clamp' if self.clamp else 'noclamp'}_{'fast' if self.fast_math else 'exact'}"
                 f"{'_dbg' if self.debug_l1_acc else ''}_s{self.num_stages}"
                 f"{f'_b{self.band_m}' if self.band_m != 1 else ''}{'' if self.prefetch else '_nopf'}"
-                f"{'_p1' if self.l1_partials == 1 else ''}")
+                f"{'_paw' if self.promote_after_wait else ''}")
 
     def pool_offsets(self, num_tokens_per_expert: list[int]) -> list[int]:
         from megamoe.scheduler import pool_offsets
@@ -129,7 +127,7 @@ using Traits = megamoe::assembler::ExpertFfnTraits<{config.block_m}, {config.num
                                                    {flag[config.clamp]}, {flag[config.fast_math]},
                                                    {flag[config.debug_l1_acc]}, {config.band_m},
                                                    {flag[bool(config.prefetch)]},
-                                                   {flag[config.l1_partials == 1]}>;
+                                                   {flag[bool(config.promote_after_wait)]}>;
 static_assert(Traits::kSmemBytes == {config.smem_bytes}, "host and device disagree on the shared-memory size");
 static_assert(Traits::kOffsetStaging == {config.staging_offset}, "host and device disagree on the staging offset");
 

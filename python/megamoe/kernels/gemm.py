@@ -34,7 +34,7 @@ class GemmConfig:
     trace: bool = False  # CTA 0 records its K blocks' timeline (run(..., trace=)); profiling only
     feed_only: bool = False  # no math, output unwritten: the producers' rate; profiling only
     cluster_n: int = 1  # 2: clusters of 2 CTAs along N share A (each loads half the rows, TMA multicast)
-    l1_partials: int = 2  # L1 mode: 2 = a block runs while the previous one is promoted, 1 = promoted after its wait
+    promote_after_wait: bool = False  # a block promoted after its own wait (else while the next group runs)
 
     def __post_init__(self) -> None:
         if self.block_m not in (32, 64, 128):
@@ -47,8 +47,6 @@ class GemmConfig:
         if self.cluster_n not in (1, 2) or (self.cluster_n == 2 and (self.block_m != 128 or self.n % 256)):
             raise ValueError(f"cluster_n must be 1, or 2 with block_m 128 and n a multiple of 256, got "
                              f"cluster_n={self.cluster_n} block_m={self.block_m} n={self.n}")
-        if self.l1_partials not in (1, 2) or (self.l1_partials == 1 and self.mode != "l1"):
-            raise ValueError(f"l1_partials must be 2, or 1 in L1 mode, got {self.l1_partials} ({self.mode})")
         if self.band_m < 1:
             raise ValueError(f"band_m must be >= 1, got {self.band_m}")
         if self.num_stages == 0:
@@ -82,7 +80,7 @@ class GemmConfig:
         return (f"megamoe_gemm_{self.mode}_m{self.block_m}_n{self.n}_k{self.k}_e{self.num_experts}"
                 f"_s{self.num_stages}_b{self.band_m}{'' if self.prefetch else '_nopf'}"
                 f"{'_trace' if self.trace else ''}{'_feed' if self.feed_only else ''}"
-                f"{f'_c{self.cluster_n}' if self.cluster_n > 1 else ''}{'_p1' if self.l1_partials == 1 else ''}")
+                f"{f'_c{self.cluster_n}' if self.cluster_n > 1 else ''}{'_paw' if self.promote_after_wait else ''}")
 
     def pool_offsets(self, num_tokens_per_expert: list[int]) -> list[int]:
         from megamoe.scheduler import pool_offsets
@@ -111,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
               unsigned long long* trace) {{
     megamoe::gemm::grouped_gemm_impl<Traits, {config.num_experts}, {config.band_m}, {_cpp_bool(config.prefetch)},
                                      {_cpp_bool(config.trace)}, {_cpp_bool(config.feed_only)},
-                                     {_cpp_bool(config.l1_partials == 1)}>(
+                                     {_cpp_bool(config.promote_after_wait)}>(
         &tensor_map_a, &tensor_map_sfa, &tensor_map_d, b_tiles, w_sf, num_tokens_per_expert, d, env, trace);
 }}
 """
