@@ -220,8 +220,8 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 // Publish the last L1 tile before waiting for any L2 input (this CTA's L2 producer may need it)
                 if (is_store_thread)
                     l1_state.publish_pending(l1_args.done_counts);
-                gemm::consume_tile<L2, false, false, T::kPrefetch, T::kPromoteAfterWait>(pipeline, state, smem_l2, weight_scales,
-                                                                   math_wg_idx, thread_in_wg, acc, env);
+                gemm::consume_tile<L2, false, false, T::kPrefetch, T::kPromoteAfterWait>(
+                    pipeline, state, smem_l2, weight_scales, math_wg_idx, thread_in_wg, acc, env);
                 has_task = locate_next(next_task);
 
                 // Stage as BF16 once every earlier reader of the staging area is done (the L1 stores were waited

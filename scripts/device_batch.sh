@@ -30,7 +30,8 @@ for step in "$@"; do
     step_start=$(date +%s)
     timeout "$seconds" bash -c "$command" > "$logs/$name.txt" 2>&1
     status=$?
-    echo "$name rc=$status $(( $(date +%s) - step_start ))s (at $(( $(date +%s) - start ))s)" | tee -a "$logs/summary.txt"
+    now=$(date +%s)
+    echo "$name rc=$status $(( now - step_start ))s (at $(( now - start ))s)" | tee -a "$logs/summary.txt"
     pack
 done
 for step in "$@"; do
