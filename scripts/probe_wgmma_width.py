@@ -57,9 +57,9 @@ VARIANTS = (Variant(128, "none"), Variant(128, "one"), Variant(128, "two"),
 # The fill's effect on the L1 consumer (two partials) and on the bare tensor pipe: unpaced, and paced near the GEMM's
 # own fill (32 KB per 128-K block, whose WGMMAs take 512 tensor clocks: 64 B per clock) and half of it; and on a
 # 192-wide tile with one partial (the widest L1 tile whose partial and accumulator fit the registers; its fill is
-# 40 KB per 768 tensor clocks: 16 KB per 315)
+# 40 KB per 768 tensor clocks: 16 KB per 315); and on the L2 schemes (per-64 promotion: two64, pair64)
 FILL_VARIANTS = tuple(Variant(128, promote, interval) for promote in ("none", "two") for interval in (0, 256, 512)) + (
-    Variant(192, "one", 0), Variant(192, "one", 320))
+    Variant(192, "one", 0), Variant(192, "one", 320), Variant(128, "two64", 256), Variant(128, "pair64", 256))
 FILL_BYTES = 16384
 FILL_SRC_BYTES = 1 << 22  # 4 MB read round robin: L2-resident, as most of the GEMM's operand loads
 NUM_CTAS = 132
@@ -273,7 +273,8 @@ def main() -> None:
     parser.add_argument("--fill", action="store_true", help="only the shared-memory fill table (and its baselines)")
     args = parser.parse_args()
     console = Console(width=150)
-    baselines = (Variant(128, "none"), Variant(128, "two"), Variant(192, "one"))
+    baselines = (Variant(128, "none"), Variant(128, "two"), Variant(192, "one"), Variant(128, "two64"),
+                 Variant(128, "pair64"))
     variants = baselines + FILL_VARIANTS if args.fill else VARIANTS
     builds = {v: compile_variant(v) for v in variants}
     for v, b in builds.items():
