@@ -113,6 +113,32 @@ MEGAMOE_DEVICE void for_each_index(std::integer_sequence<uint32_t, kIdx...>, con
     (f(std::integral_constant<uint32_t, kIdx>{}), ...);
 }
 
+// step(kb, has_prev, has_next) for K blocks 0 .. kNumKBlocks - 1 (has_prev / has_next: std::integral_constant, so
+// that no runtime branch runs while a group is in flight). Up to kMaxPeeled blocks every block is peeled; beyond,
+// block 0, a loop of kLoopBlocks blocks per iteration (#pragma unroll 1), the middle blocks the loop left, the last.
+// (ptxas spilled with short loops: 184 B at 3 blocks for one partial, 8-996 B for L2 mode's pair loop at 4, 5 and 7
+// blocks; L2 mode spilled whole partials around the back edge of a loop over single blocks, hence its pairs.)
+template <uint32_t kNumKBlocks, uint32_t kMaxPeeled, uint32_t kLoopBlocks, typename Step>
+MEGAMOE_DEVICE void walk_k_blocks(const Step& step) {
+    constexpr std::true_type kYes{};
+    constexpr std::false_type kNo{};
+    step(0u, kNo, std::integral_constant<bool, (kNumKBlocks > 1)>{});
+    if constexpr (kNumKBlocks > 1 and kNumKBlocks <= kMaxPeeled) {
+        for_each_index(std::make_integer_sequence<uint32_t, kNumKBlocks - 2>{},
+                       [&](auto idx) { step(decltype(idx)::value + 1, kYes, kYes); });
+    } else if constexpr (kNumKBlocks > 1) {
+        constexpr uint32_t kNumLeft = (kNumKBlocks - 2) % kLoopBlocks;
+        #pragma unroll 1
+        for (uint32_t kb = 1; kb + kLoopBlocks < kNumKBlocks; kb += kLoopBlocks)
+            for_each_index(std::make_integer_sequence<uint32_t, kLoopBlocks>{},
+                           [&](auto idx) { step(kb + decltype(idx)::value, kYes, kYes); });
+        for_each_index(std::make_integer_sequence<uint32_t, kNumLeft>{},
+                       [&](auto idx) { step(kNumKBlocks - 1 - kNumLeft + decltype(idx)::value, kYes, kYes); });
+    }
+    if constexpr (kNumKBlocks > 1)
+        step(kNumKBlocks - 1, kYes, kNo);
+}
+
 // Accumulate one tile into `acc` (which the caller zeroes), promoted per WGMMA group (DESIGN section 4), with two
 // partial accumulators so that each group runs while the previous group's partial is promoted: the tensor cores do
 // not wait for this warpgroup's FFMAs (the other warpgroup's groups fill what remains). L1: block kb runs into one
@@ -237,28 +263,15 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages, T::kClusterN>& pi
             const PromoteScales scales_lo = lo;
             [[maybe_unused]] const PromoteScales scales_hi = hi;
             prefetch(kb, has_next);
-            ptx::wgmma_wait_group<0>();
-            ptx::fence_operands(d0);
+            complete(d0);
             if constexpr (not kL1)
-                ptx::fence_operands(d1);
+                ptx::fence_operands(d1);  // (its group completed with d0's: wait_group 0)
             release(has_next);
             promote(acc, d0, scales_lo);
             if constexpr (not kL1)
                 promote(acc, d1, scales_hi);
         };
-        // Up to kMaxPeeledBlocks every block is peeled (a loop run once or twice spilled 184 B at 3 blocks)
-        constexpr uint32_t kMaxPeeledBlocks = 7;
-        step(0, kNo, kFirstHasNext);
-        if constexpr (kNumKBlocks > 1 and kNumKBlocks <= kMaxPeeledBlocks) {
-            for_each_index(std::make_integer_sequence<uint32_t, kNumKBlocks - 2>{},
-                           [&](auto idx) { step(decltype(idx)::value + 1, kYes, kYes); });
-            step(kNumKBlocks - 1, kYes, kNo);
-        } else if constexpr (kNumKBlocks > 1) {
-            #pragma unroll 1
-            for (uint32_t kb = 1; kb + 1 < kNumKBlocks; ++ kb)
-                step(kb, kYes, kYes);
-            step(kNumKBlocks - 1, kYes, kNo);
-        }
+        walk_k_blocks<kNumKBlocks, 7, 1>(step);
         return;
     }
     float d0[WGMMA::kNumAccum], d1[WGMMA::kNumAccum];
@@ -312,25 +325,7 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages, T::kClusterN>& pi
             complete(d1);
             release(has_next);
         };
-        // Up to kMaxPeeledL2Blocks every block is peeled; beyond, block 0, pairs, the odd middle block if any, the
-        // last. (ptxas spilled 8-996 B with the pair loop at 4, 5 and 7 blocks, and whole partials around the back
-        // edge of a loop over single blocks.)
-        constexpr uint32_t kMaxPeeledL2Blocks = 7;
-        block(0, kNo, kFirstHasNext);
-        if constexpr (kNumKBlocks > 1 and kNumKBlocks <= kMaxPeeledL2Blocks) {
-            for_each_index(std::make_integer_sequence<uint32_t, kNumKBlocks - 2>{},
-                           [&](auto idx) { block(decltype(idx)::value + 1, kYes, kYes); });
-            block(kNumKBlocks - 1, kYes, kNo);
-        } else if constexpr (kNumKBlocks > 1) {
-            #pragma unroll 1
-            for (uint32_t kb = 1; kb + 2 < kNumKBlocks; kb += 2) {
-                block(kb, kYes, kYes);
-                block(kb + 1, kYes, kYes);
-            }
-            if constexpr (kNumKBlocks % 2 == 1)
-                block(kNumKBlocks - 2, kYes, kYes);
-            block(kNumKBlocks - 1, kYes, kNo);
-        }
+        walk_k_blocks<kNumKBlocks, 7, 2>(block);
         promote(acc, d1, prev_hi);
     }
 }
