@@ -27,11 +27,9 @@ constexpr uint32_t kStagingFreeBarrierIdx = 2;  // every reader of the shared st
 constexpr uint32_t kL2StagedBarrierIdx = 3;     // L2 staging written -> TMA stores issued, or rows copied out
 
 // kBandM: m-blocks per band of the tile order (gemm/tile_scheduler.cuh); kPrefetch: the next stage awaited while
-// a block's last WGMMA group runs (gemm/consumer.cuh); kPromoteAfterWait: blocks (L1 and L2) promoted after their
-// own wait (gemm/consumer.cuh).
+// a block's last WGMMA group runs (gemm/consumer.cuh).
 template <uint32_t BLOCK_M_, uint32_t kNumStages_, uint32_t kHidden_, uint32_t kIntermediate_, uint32_t kNumExperts_,
-          bool kClamp_, bool kFastMath_, bool kDebugL1Acc_, uint32_t kBandM_ = 1, bool kPrefetch_ = true,
-          bool kPromoteAfterWait_ = false>
+          bool kClamp_, bool kFastMath_, bool kDebugL1Acc_, uint32_t kBandM_ = 1, bool kPrefetch_ = true>
 struct ExpertFfnTraits {
     static constexpr uint32_t BLOCK_M = BLOCK_M_;
     static constexpr uint32_t kNumStages = kNumStages_;
@@ -43,7 +41,6 @@ struct ExpertFfnTraits {
     static constexpr bool kDebugL1Acc = kDebugL1Acc_;
     static constexpr uint32_t kBandM = kBandM_;
     static constexpr bool kPrefetch = kPrefetch_;
-    static constexpr bool kPromoteAfterWait = kPromoteAfterWait_;
 
     using L1Base = gemm::GemmTraits<BLOCK_M, kNumStages, gemm::ScaleMode::kL1GateUp, 2 * kIntermediate, kHidden>;
     using L2Base = gemm::GemmTraits<BLOCK_M, kNumStages, gemm::ScaleMode::kL2Per64, kHidden, kIntermediate>;
@@ -202,7 +199,7 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 acc[i] = 0.0f;
 
             if (task.phase == Phase::kL1) {
-                gemm::consume_tile<L1, false, false, T::kPrefetch, T::kPromoteAfterWait>(
+                gemm::consume_tile<L1, false, false, T::kPrefetch>(
                     pipeline, state, smem_l1, weight_scales, math_wg_idx, thread_in_wg, acc, env);
                 has_task = locate_next(next_task);
                 if constexpr (T::kDebugL1Acc)
@@ -220,7 +217,7 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 // Publish the last L1 tile before waiting for any L2 input (this CTA's L2 producer may need it)
                 if (is_store_thread)
                     l1_state.publish_pending(l1_args.done_counts);
-                gemm::consume_tile<L2, false, false, T::kPrefetch, T::kPromoteAfterWait>(
+                gemm::consume_tile<L2, false, false, T::kPrefetch>(
                     pipeline, state, smem_l2, weight_scales, math_wg_idx, thread_in_wg, acc, env);
                 has_task = locate_next(next_task);
 

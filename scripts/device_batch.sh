@@ -5,7 +5,7 @@
 # log's last lines go to stdout, which the call returns.
 # Usage (on the device machine, from the repository root; the JIT cache compiled here and carried):
 #   scripts/device_batch.sh "tests|200|scripts/run_gpu_tests.sh -m gpu -q tests/test_gemm_gpu.py" \
-#                           "sweep|150|python3 scripts/sweep_gemm.py --cases 1 6 --knobs '' promote_after_wait=1"
+#                           "sweep|150|python3 scripts/sweep_gemm.py --cases 1 6 --knobs '' cluster_n=2"
 # A step is "NAME|SECONDS|COMMAND" (COMMAND runs under bash -c). Environment: PYTHONPATH=python, the system host
 # compiler, NVLink multicast off (DESIGN section 6), MEGAMOE_JIT_CACHE_DIR defaulting to .jit-run.
 set -uo pipefail

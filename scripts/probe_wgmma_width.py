@@ -9,7 +9,7 @@ data), promoted as the GEMM consumer does:
   one64 as one, per 64-K half with its own scale (L2 mode's per-64 activation SF: twice the promotions)
   two64 as two, per 64-K half: half h runs while half h - 1 is promoted (gemm/consumer.cuh, L2 mode)
   pair64 per 64-K half, both halves' groups issued back to back, waited for, then both promoted
-         (GemmConfig.promote_after_wait in L2 mode)
+         (the promote-after-wait consumer of L2 mode, measured and removed: notes/gemm.md)
 fill  (a second table) warp 0 streams 16 KB bulk copies (L2-resident source) into a ring of 4 buffers beside the
       operands while the WGMMAs run, one copy per `interval` SM clocks (0: as fast as they complete): the GEMM's
       TMA fill of its stages (A + B, 32 KB per 128-K block of both warpgroups) competes with the WGMMAs' operand

@@ -59,12 +59,11 @@ def test_source() -> None:
     assert f"ExpertFfnTraits<32, {config.num_stages}, 4096,\n" in src and "true, false,\n" in src
     assert f"Traits::kSmemBytes == {config.smem_bytes}" in src and "__launch_bounds__" in src
     assert config.name == f"megamoe_expert_ffn_m32_h4096_i2048_e12_clamp_exact_dbg_s{config.num_stages}"
-    # schedule knobs (defaults: M-major order, next stage awaited in flight, promoted while the next group runs):
-    # in the name and the traits
-    assert "true, 1,\n" in src and "true,\n" in src and "false>;\n" in src  # debug_l1_acc, band_m; prefetch; partials
-    knobs = ef.ExpertFfnConfig(128, 4096, 2048, 32, band_m=16, prefetch=False, promote_after_wait=True)
-    assert knobs.name.endswith("_b16_nopf_paw") and "false, 16,\n" in ef.source(knobs)
-    assert "false,\n" in ef.source(knobs) and "true>;\n" in ef.source(knobs)
+    # schedule knobs (defaults: M-major order, next stage awaited in flight): in the name and the traits
+    assert "true, 1,\n" in src and "true>;\n" in src  # debug_l1_acc, band_m; prefetch
+    knobs = ef.ExpertFfnConfig(128, 4096, 2048, 32, band_m=16, prefetch=False)
+    assert knobs.name.endswith("_b16_nopf") and "false, 16,\n" in ef.source(knobs)
+    assert "false>;\n" in ef.source(knobs)
     with pytest.raises(ValueError, match="band_m"):
         ef.ExpertFfnConfig(128, 4096, 2048, 32, band_m=0)
 

@@ -27,6 +27,13 @@ MEGAMOE_DEVICE void named_barrier_sync() {
     asm volatile("bar.sync %0, %1;" ::"n"(kBarrierIdx), "n"(kNumThreads) : "memory");
 }
 
+// The same with the barrier picked at run time (e.g. one per warpgroup): barrier_idx in 1..15
+template <uint32_t kNumThreads>
+MEGAMOE_DEVICE void named_barrier_sync(uint32_t barrier_idx) {
+    static_assert(kNumThreads % 32 == 0, "named barrier thread count must be a multiple of 32");
+    asm volatile("bar.sync %0, %1;" ::"r"(barrier_idx), "n"(kNumThreads) : "memory");
+}
+
 template <uint32_t kBarrierIdx, uint32_t kNumThreads>
 MEGAMOE_DEVICE void named_barrier_arrive() {
     static_assert(kBarrierIdx >= 1 and kBarrierIdx < 16, "named barriers 1..15 (0 is __syncthreads)");

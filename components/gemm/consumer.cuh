@@ -116,8 +116,8 @@ MEGAMOE_DEVICE void for_each_index(std::integer_sequence<uint32_t, kIdx...>, con
 // step(kb, has_prev, has_next) for K blocks 0 .. kNumKBlocks - 1 (has_prev / has_next: std::integral_constant, so
 // that no runtime branch runs while a group is in flight). Up to kMaxPeeled blocks every block is peeled; beyond,
 // block 0, a loop of kLoopBlocks blocks per iteration (#pragma unroll 1), the middle blocks the loop left, the last.
-// (ptxas spilled with short loops: 184 B at 3 blocks for one partial, 8-996 B for L2 mode's pair loop at 4, 5 and 7
-// blocks; L2 mode spilled whole partials around the back edge of a loop over single blocks, hence its pairs.)
+// (ptxas spilled with short loops: 8-996 B for L2 mode's pair loop at 4, 5 and 7 blocks; L2 mode spilled whole
+// partials around the back edge of a loop over single blocks, hence its pairs.)
 template <uint32_t kNumKBlocks, uint32_t kMaxPeeled, uint32_t kLoopBlocks, typename Step>
 MEGAMOE_DEVICE void walk_k_blocks(const Step& step) {
     constexpr std::true_type kYes{};
@@ -157,11 +157,7 @@ MEGAMOE_DEVICE void walk_k_blocks(const Step& step) {
 // timeout is reported after the group's wait; whether a next block exists is a compile-time fact of each call
 // (the first and last blocks are peeled), never a branch in flight. Blocking stage waits run with nothing in flight.
 // Every K-block count from 1 to 64 compiles without spills in both modes (ptxas, BLOCK_M 128: notes/gemm.md).
-// kPromoteAfterWait: each block's groups are promoted right after the block's wait instead, while the other
-// warpgroup's groups keep the tensor cores busy (L1: one partial, 64 fewer accumulator registers; L2: both halves'
-// groups issued back to back, then both promoted; under evaluation, notes/gemm.md).
-template <typename T, bool kTrace = false, bool kFeedOnly = false, bool kPrefetch = true,
-          bool kPromoteAfterWait = false>
+template <typename T, bool kTrace = false, bool kFeedOnly = false, bool kPrefetch = true>
 MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages, T::kClusterN>& pipeline,
                                  PipelineState<T::kNumStages>& state, const GemmSmem<T>& smem,
                                  const WeightScales& weight_scales, uint32_t math_wg_idx, uint32_t thread_in_wg,
@@ -248,32 +244,6 @@ MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages, T::kClusterN>& pi
         return std::integral_constant<bool, kPrefetch and decltype(has_prev)::value>{};
     };
 
-    if constexpr (kPromoteAfterWait) {
-        // Block kb's groups (L1: one; L2: one per 64-K half, issued back to back), promoted once they completed
-        float d0[WGMMA::kNumAccum];
-        [[maybe_unused]] float d1[WGMMA::kNumAccum];
-        const auto step = [&](uint32_t kb, auto has_prev, auto has_next) {
-            acquire(kb, prefetched(has_prev));
-            if constexpr (kL1) {
-                issue(kStepsBegin, kStepsEnd, d0);
-            } else {
-                issue(kStepsBegin, kStepsMid, d0);
-                issue(kStepsMid, kStepsEnd, d1);
-            }
-            const PromoteScales scales_lo = lo;
-            [[maybe_unused]] const PromoteScales scales_hi = hi;
-            prefetch(kb, has_next);
-            complete(d0);
-            if constexpr (not kL1)
-                ptx::fence_operands(d1);  // (its group completed with d0's: wait_group 0)
-            release(has_next);
-            promote(acc, d0, scales_lo);
-            if constexpr (not kL1)
-                promote(acc, d1, scales_hi);
-        };
-        walk_k_blocks<kNumKBlocks, 7, 1>(step);
-        return;
-    }
     float d0[WGMMA::kNumAccum], d1[WGMMA::kNumAccum];
     if constexpr (kL1) {
         // Block kb into d_cur while block kb - 1's partial (d_prev, scales prev) is promoted

@@ -42,9 +42,24 @@ struct OutputStaging {
     }
 };
 
-// Named barriers of the standalone kernel's math threads (0 is __syncthreads)
+// Named barriers of the standalone kernel's math threads (0 is __syncthreads); with one store group per math
+// warpgroup, group g uses kStagingFreeBarrierIdx + 2 g and kStagedBarrierIdx + 2 g
 constexpr uint32_t kStagingFreeBarrierIdx = 1;  // the staging's previous contents were copied out
 constexpr uint32_t kStagedBarrierIdx = 2;       // the pass is staged
+
+// Who stores a tile: the math threads together (one group: two barriers across both warpgroups per tile), or each
+// math warpgroup its own 64 rows (kPerWarpgroup: own barriers, own TMA stores, so that one warpgroup's epilogue
+// runs while the other's WGMMAs keep the tensor cores busy; the two stay at most a ring's depth apart).
+template <typename T, bool kPerWarpgroup>
+struct StoreGroups {
+    static constexpr uint32_t kNumGroups = kPerWarpgroup ? T::kNumMathWarpgroups : 1;
+    static constexpr uint32_t kNumThreads = T::kNumMathThreads / kNumGroups;
+    static constexpr uint32_t kNumRows = T::BLOCK_M / kNumGroups;  // rows of a group (its TMA store box)
+    static_assert(kNumRows * kNumGroups == T::BLOCK_M and (kNumGroups == 1 or kNumRows == T::WGMMA_M),
+                  "a store group holds whole warpgroups' rows");
+    static_assert(kNumRows * 128 % 1024 == 0, "a group's rows start on a 128 B swizzle atom");
+    static_assert(kStagedBarrierIdx + 2 * (kNumGroups - 1) < 16, "named barriers 1..15");
+};
 
 // Stage pass `kPass` of this warpgroup's accumulator rows (below BLOCK_M: with BLOCK_M = 32 the WGMMA rows
 // 32..63 are discarded).
@@ -64,66 +79,75 @@ MEGAMOE_DEVICE void stage_pass_bf16(const float (&acc)[WGMMA::kNumAccum], const 
     }
 }
 
-// Copy the staged rows below `tile.num_valid_rows` out, 16 bytes per thread and step (padding rows never written).
-template <typename T, typename Staging, uint32_t kPass>
-MEGAMOE_DEVICE void copy_staged_pass(const uint8_t* buffer, const Tile& tile, __nv_bfloat16* d,
-                                     uint32_t math_thread_idx) {
+// Copy the staged rows [first_row, first_row + Groups::kNumRows) below `tile.num_valid_rows` out, 16 bytes per
+// thread and step (padding rows never written).
+template <typename T, typename Staging, typename Groups, uint32_t kPass>
+MEGAMOE_DEVICE void copy_staged_pass(const uint8_t* buffer, const Tile& tile, __nv_bfloat16* d, uint32_t first_row,
+                                     uint32_t thread_in_group) {
     __nv_bfloat16* tile_out = d + static_cast<uint64_t>(tile.pool_row) * T::SHAPE_N + tile.n_block_idx * T::BLOCK_N +
                               kPass * Staging::kPassCols;
-    const uint32_t num_chunks = tile.num_valid_rows * Staging::kNumChunks;
-    for (uint32_t i = math_thread_idx; i < num_chunks; i += T::kNumMathThreads) {
-        const uint32_t row = i / Staging::kNumChunks, chunk = i % Staging::kNumChunks;
+    const uint32_t end_row = min(tile.num_valid_rows, first_row + Groups::kNumRows);
+    const uint32_t num_chunks = end_row > first_row ? (end_row - first_row) * Staging::kNumChunks : 0;
+    for (uint32_t i = thread_in_group; i < num_chunks; i += Groups::kNumThreads) {
+        const uint32_t row = first_row + i / Staging::kNumChunks, chunk = i % Staging::kNumChunks;
         const int4 value = *reinterpret_cast<const int4*>(buffer + Staging::slot_offset(row, chunk));
         *reinterpret_cast<int4*>(tile_out + static_cast<uint64_t>(row) * T::SHAPE_N + chunk * 8) = value;
     }
 }
 
-// The whole tile: a full tile leaves as one TMA store per pass, issued by math thread 0, so the math warps go on to
-// the next tile while the stores run (against the threads' copy: +4-12% at prefill on an H100, notes/gemm.md); a
-// partial tile's valid rows are copied out by the threads (its padding rows must stay unwritten, which a box store
-// cannot do).
-// NOTES: the staging is rewritten only after the stores that read it have finished reading (math thread 0 waits for
-// its bulk group's reads, then the staging-free barrier); each writer's fence.proxy.async orders its st.shared
-// before the TMA store's reads, the staged barrier makes them all precede the issue. Math thread 0 waits for every
-// bulk group's reads before the kernel exits (after the warp roles: in the math role it spilled).
-template <typename T, typename Staging>
+// The whole tile, by each store group (StoreGroups) for its rows: a full tile leaves as one TMA store per pass and
+// group, issued by the group's first thread, so the math warps go on to the next tile while the stores run
+// (against the threads' copy: +4-12% at prefill on an H100, notes/gemm.md); a partial tile's valid rows are copied
+// out by the threads (its padding rows must stay unwritten, which a box store cannot do).
+// NOTES: a group's rows of the staging are rewritten only after the stores that read them have finished reading
+// (the group's store thread waits for its bulk group's reads, then the group's staging-free barrier); each writer's
+// fence.proxy.async orders its st.shared before the TMA store's reads, the group's staged barrier makes them all
+// precede the issue. Groups touch disjoint rows of the staging, so they never wait for each other. Each store
+// thread waits for its bulk groups' reads before the kernel exits (after the warp roles: in the math role it
+// spilled).
+template <typename T, typename Staging, typename Groups>
 MEGAMOE_DEVICE void store_tile_bf16(const float (&acc)[WGMMA::kNumAccum], const AccFragment& frag, const Tile& tile,
                                     uint8_t* staging, __nv_bfloat16* d, const CUtensorMap* tensor_map_d,
                                     uint32_t math_thread_idx) {
-    const bool is_store_thread = math_thread_idx == 0;
+    const uint32_t group_idx = math_thread_idx / Groups::kNumThreads;
+    const uint32_t thread_in_group = math_thread_idx % Groups::kNumThreads;
+    const uint32_t first_row = group_idx * Groups::kNumRows;
+    const bool is_store_thread = thread_in_group == 0;
     const bool is_full = tile.num_valid_rows == T::BLOCK_M;
     uint8_t* buffer_1 = staging + Staging::kBufferBytes;
     if (is_store_thread)
         ptx::bulk_wait_group_read<0>();
-    ptx::named_barrier_sync<kStagingFreeBarrierIdx, T::kNumMathThreads>();
+    ptx::named_barrier_sync<Groups::kNumThreads>(kStagingFreeBarrierIdx + 2 * group_idx);
     stage_pass_bf16<Staging, 0>(acc, frag, staging);
     stage_pass_bf16<Staging, 1>(acc, frag, buffer_1);
     ptx::fence_proxy_async_shared_cta();
-    ptx::named_barrier_sync<kStagedBarrierIdx, T::kNumMathThreads>();
+    ptx::named_barrier_sync<Groups::kNumThreads>(kStagedBarrierIdx + 2 * group_idx);
     if (is_full) {
         if (is_store_thread) {
             const int32_t col = tile.n_block_idx * T::BLOCK_N;
-            ptx::tma_store_2d(tensor_map_d, staging, col, tile.pool_row);
-            ptx::tma_store_2d(tensor_map_d, buffer_1, col + Staging::kPassCols, tile.pool_row);
+            const uint32_t offset = first_row * Staging::kRowBytes;
+            ptx::tma_store_2d(tensor_map_d, staging + offset, col, tile.pool_row + first_row);
+            ptx::tma_store_2d(tensor_map_d, buffer_1 + offset, col + Staging::kPassCols, tile.pool_row + first_row);
             ptx::bulk_commit_group();
         }
     } else {
-        copy_staged_pass<T, Staging, 0>(staging, tile, d, math_thread_idx);
-        copy_staged_pass<T, Staging, 1>(buffer_1, tile, d, math_thread_idx);
+        copy_staged_pass<T, Staging, Groups, 0>(staging, tile, d, first_row, thread_in_group);
+        copy_staged_pass<T, Staging, Groups, 1>(buffer_1, tile, d, first_row, thread_in_group);
     }
 }
 
 // kBandM: m-blocks per band of the tile order (gemm/tile_scheduler.cuh). kPrefetch: the next stage awaited while a
 // block's last WGMMA group runs (gemm/consumer.cuh). kTrace: CTA 0 records its K blocks' timeline into `trace`
-// (gemm/kblock_trace.cuh). kFeedOnly: no math (the producers' rate; the output is not written).
-// kPromoteAfterWait: blocks promoted after their own wait (gemm/consumer.cuh).
+// (gemm/kblock_trace.cuh). kFeedOnly: no math (the producers' rate; the output is not written). kStorePerWarpgroup:
+// each math warpgroup stores its own rows (StoreGroups).
 template <typename T, uint32_t kNumExperts, uint32_t kBandM, bool kPrefetch, bool kTrace = false,
-          bool kFeedOnly = false, bool kPromoteAfterWait = false>
+          bool kFeedOnly = false, bool kStorePerWarpgroup = false>
 MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUtensorMap* tensor_map_sfa,
                                       const CUtensorMap* tensor_map_d, const uint8_t* b_tiles, const float* w_sf,
                                       const int* num_tokens_per_expert, __nv_bfloat16* d, const DeviceEnv& env,
                                       unsigned long long* trace = nullptr) {
     using Staging = OutputStaging<T>;
+    using Groups = StoreGroups<T, kStorePerWarpgroup>;
     // Tiles are handed out per cluster: a cluster's CTAs take the same (expert, m-block) and n-blocks
     // kClusterN j + rank, so that they share A (gemm/producer.cuh)
     using Scheduler = GroupedTileScheduler<T::BLOCK_M, T::kNumNBlocks / T::kClusterN, kNumExperts, kBandM>;
@@ -191,22 +215,24 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
             #pragma unroll
             for (uint32_t i = 0; i < WGMMA::kNumAccum; ++ i)
                 acc[i] = 0.0f;
-            consume_tile<T, kTrace, kFeedOnly, kPrefetch, kPromoteAfterWait>(
+            consume_tile<T, kTrace, kFeedOnly, kPrefetch>(
                 pipeline, state, smem, weight_scales, math_wg_idx, thread_in_wg, acc, env, &tracer);
             task_idx += num_clusters;
             const bool has_next = locate(scheduler, task_idx, next_tile);
             if (has_next)
                 weight_scales = WeightScales::load<T>(w_sf, next_tile.expert_idx, next_tile.n_block_idx, lane);
             if constexpr (not kFeedOnly)
-                store_tile_bf16<T, Staging>(acc, frag, tile, staging, d, tensor_map_d, math_thread_idx);
+                store_tile_bf16<T, Staging, Groups>(acc, frag, tile, staging, d, tensor_map_d, math_thread_idx);
             tile = next_tile;
             has_tile = has_next;
         }
     };
     run_warp_roles<T::kNumMathWarpgroups, SpareWarpgroup::kReleaseRegisters>(
         NoRole{}, [&]() { produce(true); }, [&]() { produce(false); }, math, NoRole{});
-    // The staging must outlive the TMA stores that read it (math thread 0 issued them all)
-    if (threadIdx.x == kFirstMathThread)
+    // The staging must outlive the TMA stores that read it (each group's first thread issued its group's)
+    const uint32_t math_thread_idx = threadIdx.x - kFirstMathThread;
+    if (threadIdx.x >= kFirstMathThread and math_thread_idx < T::kNumMathThreads and
+        math_thread_idx % Groups::kNumThreads == 0)
         ptx::bulk_wait_group_read<0>();
     // NOTES: in a cluster, no CTA exits while its peer may still multicast into its stages or arrive on its
     // barriers (both walk the same tasks, so both are done once both got here)

@@ -23,10 +23,11 @@ GEMM_SCHEDULE_CONFIGS = [
 # A shared by clusters of 2 CTAs along N (TMA multicast), bit-exact in both modes
 GEMM_CLUSTER_CONFIGS = [gemm.GemmConfig(128, mode, 1024, k, len(GEMM_EXACT_COUNTS), cluster_n=2)
                         for mode, k in (("l1", 2048), ("l2", 1024))]
-# Blocks promoted after their own wait (GemmConfig.promote_after_wait; not yet run on a GPU: default off), bit-exact
-# in both modes: 1, 2, 3 and 16 K blocks (the peeled first and last blocks, the loop)
-GEMM_AFTER_WAIT_CONFIGS = [gemm.GemmConfig(block_m, mode, 1024, k, len(GEMM_EXACT_COUNTS), promote_after_wait=True)
-                           for block_m in (128, 32) for mode in ("l1", "l2") for k in (128, 256, 384, 2048)]
+# Each math warpgroup storing its own rows (GemmConfig.store_per_warpgroup), bit-exact in both modes, with clusters
+# too (BLOCK_M 32 has one math warpgroup: the same single group as the default)
+GEMM_STORE_PER_WG_CONFIGS = [gemm.GemmConfig(128, mode, 1024, k, len(GEMM_EXACT_COUNTS), store_per_warpgroup=True,
+                                             cluster_n=cluster_n)
+                             for mode, k in (("l1", 2048), ("l2", 1024)) for cluster_n in (1, 2)]
 # (mode, N, K) covering K in {2048, 4096, 7168} and N in {2048, 4096, 6144}, each BLOCK_M at least once
 GEMM_RANDOM_CONFIGS = [
     gemm.GemmConfig(128, "l1", 6144, 7168, len(GEMM_RANDOM_COUNTS)),
@@ -59,10 +60,6 @@ FFN_EXACT_CONFIGS = [
 ] + [
     expert_ffn.ExpertFfnConfig(128, 7168, 3072, len(FFN_EXACT_COUNTS), True, False, debug_l1_acc=True),
     expert_ffn.ExpertFfnConfig(32, 4096, 2048, len(FFN_EXACT_COUNTS), False, True, debug_l1_acc=True),
-] + [  # blocks promoted after their own wait (not yet run on a GPU: default off)
-    expert_ffn.ExpertFfnConfig(block_m, 2048, 1024, len(FFN_EXACT_COUNTS), True, True, debug_l1_acc=True,
-                               promote_after_wait=True)
-    for block_m in (32, 128)
 ]
 FFN_RANDOM_CONFIGS = [
     expert_ffn.ExpertFfnConfig(block_m, hidden, intermediate, len(FFN_RANDOM_COUNTS), clamp, fast)
@@ -90,15 +87,11 @@ def all_variants() -> list[tuple[str, object, CheckOptions]]:
     # a single block has neither a previous partial nor a next stage)
     gemm_checks = CheckOptions(expect_qgmma=True, expect_promotion_in_flight=True, expect_stage_wait_in_flight=True)
     single_block_checks = CheckOptions(expect_qgmma=True)
-    for config in (GEMM_EXACT_CONFIGS + GEMM_SCHEDULE_CONFIGS + GEMM_CLUSTER_CONFIGS + GEMM_RANDOM_CONFIGS +
-                   GEMM_BENCH_CONFIGS):
+    for config in (GEMM_EXACT_CONFIGS + GEMM_SCHEDULE_CONFIGS + GEMM_CLUSTER_CONFIGS + GEMM_STORE_PER_WG_CONFIGS +
+                   GEMM_RANDOM_CONFIGS + GEMM_BENCH_CONFIGS):
         out[config.name] = (config.name, config, gemm_checks if config.k > 128 else single_block_checks)
-    # (promoted after the wait, by design; the next stage is still awaited in flight)
-    after_wait_checks = CheckOptions(expect_qgmma=True, expect_stage_wait_in_flight=True)
-    for config in GEMM_AFTER_WAIT_CONFIGS:
-        out[config.name] = (config.name, config, after_wait_checks if config.k > 128 else single_block_checks)
     for config in FFN_EXACT_CONFIGS + FFN_RANDOM_CONFIGS + FFN_BENCH_CONFIGS:
-        out[config.name] = (config.name, config, after_wait_checks if config.promote_after_wait else gemm_checks)
+        out[config.name] = (config.name, config, gemm_checks)
     for config in INPUT_CAST_CONFIGS:
         out[config.name] = (config.name, config, CheckOptions())
     return list(out.values())

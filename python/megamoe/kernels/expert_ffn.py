@@ -45,7 +45,6 @@ class ExpertFfnConfig:
     num_stages: int = 0  # 0: as many as fit (at most MAX_NUM_STAGES)
     band_m: int = 1  # m-blocks per band of the tile order, n-block-major inside a band (1: M-major)
     prefetch: bool = True  # the next stage awaited while a block's last WGMMA group runs
-    promote_after_wait: bool = False  # a block promoted after its own wait (else while the next group runs)
 
     def __post_init__(self) -> None:
         if self.band_m < 1:
@@ -101,8 +100,7 @@ class ExpertFfnConfig:
         return (f"megamoe_expert_ffn_m{self.block_m}_h{self.hidden}_i{self.intermediate}_e{self.num_experts}"
                 f"_{'clamp' if self.clamp else 'noclamp'}_{'fast' if self.fast_math else 'exact'}"
                 f"{'_dbg' if self.debug_l1_acc else ''}_s{self.num_stages}"
-                f"{f'_b{self.band_m}' if self.band_m != 1 else ''}{'' if self.prefetch else '_nopf'}"
-                f"{'_paw' if self.promote_after_wait else ''}")
+                f"{f'_b{self.band_m}' if self.band_m != 1 else ''}{'' if self.prefetch else '_nopf'}")
 
     def pool_offsets(self, num_tokens_per_expert: list[int]) -> list[int]:
         from megamoe.scheduler import pool_offsets
@@ -126,8 +124,7 @@ using Traits = megamoe::assembler::ExpertFfnTraits<{config.block_m}, {config.num
                                                    {config.intermediate}, {config.num_experts},
                                                    {flag[config.clamp]}, {flag[config.fast_math]},
                                                    {flag[config.debug_l1_acc]}, {config.band_m},
-                                                   {flag[bool(config.prefetch)]},
-                                                   {flag[bool(config.promote_after_wait)]}>;
+                                                   {flag[bool(config.prefetch)]}>;
 static_assert(Traits::kSmemBytes == {config.smem_bytes}, "host and device disagree on the shared-memory size");
 static_assert(Traits::kOffsetStaging == {config.staging_offset}, "host and device disagree on the staging offset");
 
