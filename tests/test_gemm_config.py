@@ -10,9 +10,8 @@ from megamoe.kernels import catalog, gemm  # noqa: E402
 
 def test_names_unique_and_knobs_in_source() -> None:
     configs = (catalog.GEMM_EXACT_CONFIGS + catalog.GEMM_SCHEDULE_CONFIGS + catalog.GEMM_CLUSTER_CONFIGS
-               + catalog.GEMM_STORE_PER_WG_CONFIGS + catalog.GEMM_RANDOM_CONFIGS + catalog.GEMM_BENCH_CONFIGS)
-    distinct = {(c.block_m, c.mode, c.n, c.k, c.num_experts, c.band_m, c.prefetch, c.cluster_n, c.store_per_warpgroup)
-                for c in configs}
+               + catalog.GEMM_RANDOM_CONFIGS + catalog.GEMM_BENCH_CONFIGS)
+    distinct = {(c.block_m, c.mode, c.n, c.k, c.num_experts, c.band_m, c.prefetch, c.cluster_n) for c in configs}
     assert len({c.name for c in configs}) == len(distinct)
     default = gemm.GemmConfig(128, "l2", 4096, 2048, 32)
     assert default.band_m == 16 and default.prefetch
@@ -61,11 +60,6 @@ def test_output_staging_whole_tile() -> None:
         assert "OutputStaging<Traits>::kKernelSmemBytes == " + str(config.smem_bytes) in gemm.source(config)
 
 
-def test_store_per_warpgroup_knob() -> None:
-    for block_m, rows in ((128, 64), (32, 32)):
-        config = gemm.GemmConfig(block_m, "l1", 1024, 2048, 6, store_per_warpgroup=True)
-        assert config.name.endswith("_b16_wgs") and config.store_rows == rows
-        assert "false, false,\n                                     true>(" in gemm.source(config)
-    default = gemm.GemmConfig(128, "l1", 1024, 2048, 6)
-    assert not default.store_per_warpgroup and default.store_rows == 128
-    assert "false, false,\n                                     false>(" in gemm.source(default)
+def test_store_box_rows() -> None:
+    # the output's TMA store box is one math warpgroup's rows (StoreGroups)
+    assert [gemm.GemmConfig(block_m, "l1", 1024, 2048, 6).store_rows for block_m in (32, 64, 128)] == [32, 64, 64]

@@ -42,21 +42,21 @@ struct OutputStaging {
     }
 };
 
-// Named barriers of the standalone kernel's math threads (0 is __syncthreads); with one store group per math
-// warpgroup, group g uses kStagingFreeBarrierIdx + 2 g and kStagedBarrierIdx + 2 g
-constexpr uint32_t kStagingFreeBarrierIdx = 1;  // the staging's previous contents were copied out
-constexpr uint32_t kStagedBarrierIdx = 2;       // the pass is staged
+// Named barriers of the standalone kernel's math threads (0 is __syncthreads): math warpgroup g uses
+// kStagingFreeBarrierIdx + 2 g and kStagedBarrierIdx + 2 g
+constexpr uint32_t kStagingFreeBarrierIdx = 1;  // the warpgroup's staging rows were copied out
+constexpr uint32_t kStagedBarrierIdx = 2;       // the warpgroup's rows are staged
 
-// Who stores a tile: the math threads together (one group: two barriers across both warpgroups per tile), or each
-// math warpgroup its own 64 rows (kPerWarpgroup: own barriers, own TMA stores, so that one warpgroup's epilogue
-// runs while the other's WGMMAs keep the tensor cores busy; the two stay at most a ring's depth apart).
-template <typename T, bool kPerWarpgroup>
+// Each math warpgroup stores its own rows of the tile: its own barriers and TMA stores, so that no barrier joins
+// the warpgroups between tiles (one warpgroup's epilogue can run while the other's WGMMAs keep the tensor cores
+// busy; they stay at most a ring's depth apart). Against both warpgroups storing the tile together (two barriers
+// across them per tile), on an H100: L1 mode +1-6%, L2 mode within 2% (notes/gemm.md).
+template <typename T>
 struct StoreGroups {
-    static constexpr uint32_t kNumGroups = kPerWarpgroup ? T::kNumMathWarpgroups : 1;
-    static constexpr uint32_t kNumThreads = T::kNumMathThreads / kNumGroups;
+    static constexpr uint32_t kNumGroups = T::kNumMathWarpgroups;
+    static constexpr uint32_t kNumThreads = 128;
     static constexpr uint32_t kNumRows = T::BLOCK_M / kNumGroups;  // rows of a group (its TMA store box)
-    static_assert(kNumRows * kNumGroups == T::BLOCK_M and (kNumGroups == 1 or kNumRows == T::WGMMA_M),
-                  "a store group holds whole warpgroups' rows");
+    static_assert(kNumRows * kNumGroups == T::BLOCK_M and kNumRows <= T::WGMMA_M, "a group holds one warpgroup's rows");
     static_assert(kNumRows * 128 % 1024 == 0, "a group's rows start on a 128 B swizzle atom");
     static_assert(kStagedBarrierIdx + 2 * (kNumGroups - 1) < 16, "named barriers 1..15");
 };
@@ -95,8 +95,8 @@ MEGAMOE_DEVICE void copy_staged_pass(const uint8_t* buffer, const Tile& tile, __
     }
 }
 
-// The whole tile, by each store group (StoreGroups) for its rows: a full tile leaves as one TMA store per pass and
-// group, issued by the group's first thread, so the math warps go on to the next tile while the stores run
+// The whole tile, by each math warpgroup (StoreGroups) for its rows: a full tile leaves as one TMA store per pass
+// and warpgroup, issued by the warpgroup's first thread, so the math warps go on to the next tile while the stores run
 // (against the threads' copy: +4-12% at prefill on an H100, notes/gemm.md); a partial tile's valid rows are copied
 // out by the threads (its padding rows must stay unwritten, which a box store cannot do).
 // NOTES: a group's rows of the staging are rewritten only after the stores that read them have finished reading
@@ -138,16 +138,15 @@ MEGAMOE_DEVICE void store_tile_bf16(const float (&acc)[WGMMA::kNumAccum], const 
 
 // kBandM: m-blocks per band of the tile order (gemm/tile_scheduler.cuh). kPrefetch: the next stage awaited while a
 // block's last WGMMA group runs (gemm/consumer.cuh). kTrace: CTA 0 records its K blocks' timeline into `trace`
-// (gemm/kblock_trace.cuh). kFeedOnly: no math (the producers' rate; the output is not written). kStorePerWarpgroup:
-// each math warpgroup stores its own rows (StoreGroups).
+// (gemm/kblock_trace.cuh). kFeedOnly: no math (the producers' rate; the output is not written).
 template <typename T, uint32_t kNumExperts, uint32_t kBandM, bool kPrefetch, bool kTrace = false,
-          bool kFeedOnly = false, bool kStorePerWarpgroup = false>
+          bool kFeedOnly = false>
 MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUtensorMap* tensor_map_sfa,
                                       const CUtensorMap* tensor_map_d, const uint8_t* b_tiles, const float* w_sf,
                                       const int* num_tokens_per_expert, __nv_bfloat16* d, const DeviceEnv& env,
                                       unsigned long long* trace = nullptr) {
     using Staging = OutputStaging<T>;
-    using Groups = StoreGroups<T, kStorePerWarpgroup>;
+    using Groups = StoreGroups<T>;
     // Tiles are handed out per cluster: a cluster's CTAs take the same (expert, m-block) and n-blocks
     // kClusterN j + rank, so that they share A (gemm/producer.cuh)
     using Scheduler = GroupedTileScheduler<T::BLOCK_M, T::kNumNBlocks / T::kClusterN, kNumExperts, kBandM>;
@@ -229,7 +228,7 @@ MEGAMOE_DEVICE void grouped_gemm_impl(const CUtensorMap* tensor_map_a, const CUt
     };
     run_warp_roles<T::kNumMathWarpgroups, SpareWarpgroup::kReleaseRegisters>(
         NoRole{}, [&]() { produce(true); }, [&]() { produce(false); }, math, NoRole{});
-    // The staging must outlive the TMA stores that read it (each group's first thread issued its group's)
+    // The staging must outlive the TMA stores that read it (each math warpgroup's first thread issued its own)
     const uint32_t math_thread_idx = threadIdx.x - kFirstMathThread;
     if (threadIdx.x >= kFirstMathThread and math_thread_idx < T::kNumMathThreads and
         math_thread_idx % Groups::kNumThreads == 0)

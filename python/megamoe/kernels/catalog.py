@@ -23,11 +23,6 @@ GEMM_SCHEDULE_CONFIGS = [
 # A shared by clusters of 2 CTAs along N (TMA multicast), bit-exact in both modes
 GEMM_CLUSTER_CONFIGS = [gemm.GemmConfig(128, mode, 1024, k, len(GEMM_EXACT_COUNTS), cluster_n=2)
                         for mode, k in (("l1", 2048), ("l2", 1024))]
-# Each math warpgroup storing its own rows (GemmConfig.store_per_warpgroup), bit-exact in both modes, with clusters
-# too (BLOCK_M 32 has one math warpgroup: the same single group as the default)
-GEMM_STORE_PER_WG_CONFIGS = [gemm.GemmConfig(128, mode, 1024, k, len(GEMM_EXACT_COUNTS), store_per_warpgroup=True,
-                                             cluster_n=cluster_n)
-                             for mode, k in (("l1", 2048), ("l2", 1024)) for cluster_n in (1, 2)]
 # (mode, N, K) covering K in {2048, 4096, 7168} and N in {2048, 4096, 6144}, each BLOCK_M at least once
 GEMM_RANDOM_CONFIGS = [
     gemm.GemmConfig(128, "l1", 6144, 7168, len(GEMM_RANDOM_COUNTS)),
@@ -87,8 +82,8 @@ def all_variants() -> list[tuple[str, object, CheckOptions]]:
     # a single block has neither a previous partial nor a next stage)
     gemm_checks = CheckOptions(expect_qgmma=True, expect_promotion_in_flight=True, expect_stage_wait_in_flight=True)
     single_block_checks = CheckOptions(expect_qgmma=True)
-    for config in (GEMM_EXACT_CONFIGS + GEMM_SCHEDULE_CONFIGS + GEMM_CLUSTER_CONFIGS + GEMM_STORE_PER_WG_CONFIGS +
-                   GEMM_RANDOM_CONFIGS + GEMM_BENCH_CONFIGS):
+    for config in (GEMM_EXACT_CONFIGS + GEMM_SCHEDULE_CONFIGS + GEMM_CLUSTER_CONFIGS + GEMM_RANDOM_CONFIGS +
+                   GEMM_BENCH_CONFIGS):
         out[config.name] = (config.name, config, gemm_checks if config.k > 128 else single_block_checks)
     for config in FFN_EXACT_CONFIGS + FFN_RANDOM_CONFIGS + FFN_BENCH_CONFIGS:
         out[config.name] = (config.name, config, gemm_checks)

@@ -34,7 +34,6 @@ class GemmConfig:
     trace: bool = False  # CTA 0 records its K blocks' timeline (run(..., trace=)); profiling only
     feed_only: bool = False  # no math, output unwritten: the producers' rate; profiling only
     cluster_n: int = 1  # 2: clusters of 2 CTAs along N share A (each loads half the rows, TMA multicast)
-    store_per_warpgroup: bool = False  # each math warpgroup stores its own rows (no barrier across warpgroups)
 
     def __post_init__(self) -> None:
         if self.block_m not in (32, 64, 128):
@@ -72,9 +71,8 @@ class GemmConfig:
 
     @property
     def store_rows(self) -> int:
-        """Rows of one TMA store box: a math warpgroup's 64 with store_per_warpgroup at BLOCK_M 128, else the tile's
-        (gemm/grouped_gemm_kernel.cuh: StoreGroups)."""
-        return 64 if self.store_per_warpgroup and self.block_m == 128 else self.block_m
+        """Rows of one TMA store box: one math warpgroup's (gemm/grouped_gemm_kernel.cuh: StoreGroups)."""
+        return min(self.block_m, 64)
 
     @property
     def smem_bytes(self) -> int:
@@ -86,8 +84,7 @@ class GemmConfig:
         return (f"megamoe_gemm_{self.mode}_m{self.block_m}_n{self.n}_k{self.k}_e{self.num_experts}"
                 f"_s{self.num_stages}_b{self.band_m}{'' if self.prefetch else '_nopf'}"
                 f"{'_trace' if self.trace else ''}{'_feed' if self.feed_only else ''}"
-                f"{f'_c{self.cluster_n}' if self.cluster_n > 1 else ''}"
-                f"{'_wgs' if self.store_per_warpgroup else ''}")
+                f"{f'_c{self.cluster_n}' if self.cluster_n > 1 else ''}")
 
     def pool_offsets(self, num_tokens_per_expert: list[int]) -> list[int]:
         from megamoe.scheduler import pool_offsets
@@ -115,8 +112,7 @@ extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
               const int* num_tokens_per_expert, __nv_bfloat16* d, const megamoe::DeviceEnv env,
               unsigned long long* trace) {{
     megamoe::gemm::grouped_gemm_impl<Traits, {config.num_experts}, {config.band_m}, {_cpp_bool(config.prefetch)},
-                                     {_cpp_bool(config.trace)}, {_cpp_bool(config.feed_only)},
-                                     {_cpp_bool(config.store_per_warpgroup)}>(
+                                     {_cpp_bool(config.trace)}, {_cpp_bool(config.feed_only)}>(
         &tensor_map_a, &tensor_map_sfa, &tensor_map_d, b_tiles, w_sf, num_tokens_per_expert, d, env, trace);
 }}
 """
@@ -181,5 +177,5 @@ def _tensor_maps(config: GemmConfig, a: torch.Tensor, a_sf: torch.Tensor, d: tor
     return [
         TensorMap(a, config.block_m // config.cluster_n, BLOCK_K, swizzle_bytes=128),
         TensorMap(a_sf, config.sf_per_k_block, config.block_m),
-        TensorMap(d, config.store_rows, BLOCK_N // 2, swizzle_bytes=128),  # one 64-column pass of a store group
+        TensorMap(d, config.store_rows, BLOCK_N // 2, swizzle_bytes=128),  # one 64-column pass of a warpgroup's rows
     ]
