@@ -109,8 +109,17 @@ def per_block_cast_to_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
     n, k = w.shape[-2], w.shape[-1]
     _check_divisible("w.shape[-2] (N)", n, BLOCK)
     _check_divisible("w.shape[-1] (K)", k, BLOCK)
+    if w.dim() > 2:
+        # One [N, K] matrix at a time: the temporaries of a whole expert stack (e.g. 256 x 4096 x 7168 fp32, 30 GB
+        # each) do not fit beside it on an 80 GB GPU; every block is quantized on its own, so the result is the same
+        flat = w.reshape(-1, n, k)
+        q = torch.empty(flat.shape, dtype=_FP8, device=w.device)
+        sf = torch.empty(flat.shape[0], n // BLOCK, k // BLOCK, dtype=torch.float32, device=w.device)
+        for i in range(flat.shape[0]):
+            q[i], sf[i] = per_block_cast_to_fp8(flat[i])
+        return q.view(w.shape), sf.view(*w.shape[:-2], n // BLOCK, k // BLOCK)
     blocks = w.float().unflatten(-1, (k // BLOCK, BLOCK)).unflatten(-3, (n // BLOCK, BLOCK))
-    # blocks: [..., N/128, 128, K/128, 128]
+    # blocks: [N/128, 128, K/128, 128]
     sf, inv = _scales_from_amax(blocks.abs().amax(dim=(-3, -1)))
     q = fp8_e4m3_satfinite(blocks * inv[..., :, None, :, None])
     return q.flatten(-2).flatten(-3, -2), sf
