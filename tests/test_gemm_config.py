@@ -62,4 +62,7 @@ def test_output_staging_whole_tile() -> None:
 
 def test_store_box_rows() -> None:
     # the output's TMA store box is one math warpgroup's rows (StoreGroups)
-    assert [gemm.GemmConfig(block_m, "l1", 1024, 2048, 6).store_rows for block_m in (32, 64, 128)] == [32, 64, 64]
+    configs = [gemm.GemmConfig(block_m, "l1", 1024, 2048, 6) for block_m in (32, 64, 128)]
+    assert [c.store_rows for c in configs] == [32, 64, 64]
+    # ... which the generated source checks against the device's StoreGroups
+    assert all(f"StoreGroups<Traits>::kNumRows == {c.store_rows}," in gemm.source(c) for c in configs)

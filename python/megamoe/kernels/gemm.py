@@ -105,6 +105,8 @@ using Traits = megamoe::gemm::GemmTraits<{config.block_m}, {config.num_stages}, 
                                          {config.n}, {config.k}, {config.cluster_n}>;
 static_assert(megamoe::gemm::OutputStaging<Traits>::kKernelSmemBytes == {config.smem_bytes},
               "host and device disagree on the shared-memory size");
+static_assert(megamoe::gemm::StoreGroups<Traits>::kNumRows == {config.store_rows},
+              "host and device disagree on the output store box's rows");
 
 extern "C" __global__ void __launch_bounds__(megamoe::kNumThreads, 1)
 {config.name}(const __grid_constant__ CUtensorMap tensor_map_a, const __grid_constant__ CUtensorMap tensor_map_sfa,
