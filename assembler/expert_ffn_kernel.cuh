@@ -150,11 +150,13 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                     gemm::produce_a_tile<L2>(pipeline, state, smem_l2, maps.l2_a, maps.l2_sfa, tile.pool_row, env);
                 }
             } else if (task.phase == Phase::kL1) {
-                gemm::produce_b_tile<L1>(pipeline, state, smem_l1, maps.w1,
-                                         tile.expert_idx * L1::kNumNBlocks + tile.n_block_idx, env);
+                gemm::produce_b_tile<L1, true>(pipeline, state, smem_l1, maps.w1,
+                                               tile.expert_idx * L1::kNumNBlocks + tile.n_block_idx, env,
+                                               tile.num_valid_rows);
             } else {
-                gemm::produce_b_tile<L2>(pipeline, state, smem_l2, maps.w2,
-                                         tile.expert_idx * L2::kNumNBlocks + tile.n_block_idx, env);
+                gemm::produce_b_tile<L2, true>(pipeline, state, smem_l2, maps.w2,
+                                               tile.expert_idx * L2::kNumNBlocks + tile.n_block_idx, env,
+                                               tile.num_valid_rows);
             }
         }
     };
@@ -199,8 +201,9 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 acc[i] = 0.0f;
 
             if (task.phase == Phase::kL1) {
-                gemm::consume_tile<L1, false, false, T::kPrefetch>(
-                    pipeline, state, smem_l1, weight_scales, math_wg_idx, thread_in_wg, acc, env);
+                gemm::consume_tile<L1, false, false, T::kPrefetch, true>(
+                    pipeline, state, smem_l1, weight_scales, math_wg_idx, thread_in_wg, acc, env, nullptr,
+                    tile.num_valid_rows);
                 has_task = locate_next(next_task);
                 if constexpr (T::kDebugL1Acc)
                     epilogue::store_l1_acc_natural<T::kIntermediate>(acc, frag, out_tile, p.l1_acc);
@@ -217,8 +220,9 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                 // Publish the last L1 tile before waiting for any L2 input (this CTA's L2 producer may need it)
                 if (is_store_thread)
                     l1_state.publish_pending(l1_args.done_counts);
-                gemm::consume_tile<L2, false, false, T::kPrefetch>(
-                    pipeline, state, smem_l2, weight_scales, math_wg_idx, thread_in_wg, acc, env);
+                gemm::consume_tile<L2, false, false, T::kPrefetch, true>(
+                    pipeline, state, smem_l2, weight_scales, math_wg_idx, thread_in_wg, acc, env, nullptr,
+                    tile.num_valid_rows);
                 has_task = locate_next(next_task);
 
                 // Stage as BF16 once every earlier reader of the staging area is done (the L1 stores were waited

@@ -190,13 +190,15 @@ MEGAMOE_DEVICE void tma_b_role(const FusedContext<T>& ctx) {
     for (QueuedTask task = ctx.tasks.pop(tiered_env(ctx.env, kTierPipeline, kRoleProducer), queue_state);
          task.valid(); task = ctx.tasks.pop(tiered_env(ctx.env, kTierPipeline, kRoleProducer), queue_state)) {
         if (task.phase() == FusedPhase::kL1)
-            gemm::produce_b_tile<typename T::L1>(ctx.pipeline, state, ctx.smem_l1, ctx.maps.w1,
-                                                 task.expert_idx() * T::kNumL1NBlocks + task.n_block_idx(),
-                                                 tiered_env(ctx.env, kTierPipeline, kRoleProducer));
+            gemm::produce_b_tile<typename T::L1, true>(ctx.pipeline, state, ctx.smem_l1, ctx.maps.w1,
+                                                       task.expert_idx() * T::kNumL1NBlocks + task.n_block_idx(),
+                                                       tiered_env(ctx.env, kTierPipeline, kRoleProducer),
+                                                       task.num_valid_rows());
         else
-            gemm::produce_b_tile<typename T::L2>(ctx.pipeline, state, ctx.smem_l2, ctx.maps.w2,
-                                                 task.expert_idx() * T::kNumL2NBlocks + task.n_block_idx(),
-                                                 tiered_env(ctx.env, kTierPipeline, kRoleProducer));
+            gemm::produce_b_tile<typename T::L2, true>(ctx.pipeline, state, ctx.smem_l2, ctx.maps.w2,
+                                                       task.expert_idx() * T::kNumL2NBlocks + task.n_block_idx(),
+                                                       tiered_env(ctx.env, kTierPipeline, kRoleProducer),
+                                                       task.num_valid_rows());
     }
 }
 
@@ -384,9 +386,9 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
             acc[i] = 0.0f;
 
         if (current().phase() == FusedPhase::kL1) {
-            gemm::consume_tile<L1, false, false, kPrefetch>(ctx.pipeline, state, ctx.smem_l1, weight_scales,
-                                                           math_wg_idx, thread_in_wg, acc,
-                                                           tiered_env(ctx.env, kTierPipeline, kRoleMath));
+            gemm::consume_tile<L1, false, false, kPrefetch, true>(
+                ctx.pipeline, state, ctx.smem_l1, weight_scales, math_wg_idx, thread_in_wg, acc,
+                tiered_env(ctx.env, kTierPipeline, kRoleMath), nullptr, current().num_valid_rows());
             locate_next();
             // The L1 buffers alias the L2 staging: wait for its reader, the scatter warp (the L1 epilogue's own
             // stores are waited for by their thread before the epilogue's barrier)
@@ -407,9 +409,9 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
             // Publish the last L1 tile before waiting for any L2 input (this CTA's L2 producer may need it)
             if (is_store_thread)
                 l1_state.publish_pending(l1_done_counts());
-            gemm::consume_tile<L2, false, false, kPrefetch>(ctx.pipeline, state, ctx.smem_l2, weight_scales,
-                                                           math_wg_idx, thread_in_wg, acc,
-                                                           tiered_env(ctx.env, kTierPipeline, kRoleMath));
+            gemm::consume_tile<L2, false, false, kPrefetch, true>(
+                ctx.pipeline, state, ctx.smem_l2, weight_scales, math_wg_idx, thread_in_wg, acc,
+                tiered_env(ctx.env, kTierPipeline, kRoleMath), nullptr, current().num_valid_rows());
             locate_next();
 
             // Stage as BF16 rows once every earlier reader of the staging area is done: the scatter warp (the last

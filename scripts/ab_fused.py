@@ -8,8 +8,8 @@ only inside one call: notes/fused.md). Each build is a source tree of its own wi
 `prepare` extracts each revision (git archive; WORKTREE: the tracked and untracked non-ignored files as they are)
 and compiles the fused variant of the call's config at each T into its cache. `run` times the builds in alternating
 order, one process per build and round (the call's config, flash or another bench shape, routing and seeds of
-`megamoe bench fused`, cold and warm medians, the phase marks of the last round), checks y against the reference,
-and prints one table."""
+`megamoe bench fused`, cold and warm medians, the phase marks of the last round; the expert-FFN unit kernel on the
+same rows), checks y against the reference, and prints one table."""
 from __future__ import annotations
 
 import argparse
@@ -58,18 +58,27 @@ def compile_variants(tokens: list[int], shape: str) -> None:
     from megamoe.fused import compile_fused, config_for
     from megamoe.layout import SymmLayout
 
+    from megamoe.kernels.expert_ffn import ExpertFfnConfig, compile_expert_ffn
+
     spec = FUSED_SHAPES[shape]
     layout = SymmLayout.create(1, spec.num_experts, spec.max_tokens, spec.num_topk, spec.hidden, spec.intermediate)
     for t in tokens:
-        compile_fused(config_for(layout, expected_tokens_per_expert=expected_load(spec, t)))
+        config = config_for(layout, expected_tokens_per_expert=expected_load(spec, t))
+        compile_fused(config)
+        compile_expert_ffn(ExpertFfnConfig(config.block_m, spec.hidden, spec.intermediate, spec.num_experts,
+                                           fast_math=True))
 
 
 def time_build(tokens: list[int], shape: str, iters: int) -> dict[str, dict]:
-    """The call's config at each T and seed of the bench: cold / warm medians, y rel-L2, warm phase marks."""
+    """The call's config at each T and seed of the bench: cold / warm medians, y rel-L2, warm phase marks; and the
+    expert-FFN unit kernel on the same rows (cold / warm medians), as `megamoe bench fused` runs it."""
     import torch
 
     from megamoe import reference
-    from megamoe.bench.fused import FUSED_SEEDS, FUSED_SHAPES, bench_setup, expected_load, routed_inputs
+    from megamoe.bench.fused import (FUSED_SEEDS, FUSED_SHAPES, _unit_kernel_pool, bench_setup, expected_load,
+                                     routed_inputs)
+    from megamoe.fused import config_for
+    from megamoe.kernels import expert_ffn as ef
     from megamoe.bench.timing import time_queued_us
     from megamoe.fused.launch import PHASES
     from megamoe.fused.launch import run as fused_run
@@ -101,7 +110,19 @@ def time_build(tokens: list[int], shape: str, iters: int) -> dict[str, dict]:
                 timer = PhaseTimes(PHASES, dev)
                 call(phase_times=timer)
             torch.cuda.synchronize()
-            out[f"T {t} seed {seed}"] = dict(cold=cold, warm=warm, err=err, phases=timer.ends_us())
+            counts = torch.bincount(idx.flatten(), minlength=e).tolist()
+            block_m = config_for(buf.layout, expected_tokens_per_expert=expected).block_m
+            ffn_config = ef.ExpertFfnConfig(block_m, h, spec.intermediate, e, fast_math=True)
+            pool, outputs = _unit_kernel_pool(buf, ffn_config, counts, (l1, l2))
+
+            def unit_kernel() -> None:
+                outputs.l1_done_count.zero_()
+                ef.run(ffn_config, pool, outputs)
+
+            ffn_cold = time_queued_us(unit_kernel, warmup=5, iters=iters, before=flush)["median_us"]
+            ffn_warm = time_queued_us(unit_kernel, warmup=5, iters=iters)["median_us"]
+            out[f"T {t} seed {seed}"] = dict(cold=cold, warm=warm, err=err, phases=timer.ends_us(),
+                                             ffn_cold=ffn_cold, ffn_warm=ffn_warm)
     return out
 
 
@@ -126,8 +147,11 @@ def run(names: list[str], tokens: str, shape: str, rounds: int, iters: int) -> N
                 continue
             cold = " ".join(f"{x['cold']:.1f}" for x in runs)
             warm = " ".join(f"{x['warm']:.1f}" for x in runs)
+            ffn_cold = " ".join(f"{x['ffn_cold']:.1f}" for x in runs)
+            ffn_warm = " ".join(f"{x['ffn_warm']:.1f}" for x in runs)
             marks = " ".join(f"{mark}={lo:.1f}/{hi:.1f}" for mark, lo, hi in runs[-1]["phases"])
             print(f"  {name:12s} cold {cold} | warm {warm} | y rel-L2 <= {max(x['err'] for x in runs):.2e}\n"
+                  f"               FFN unit kernel cold {ffn_cold} | warm {ffn_warm}\n"
                   f"               {marks}")
 
 

@@ -21,6 +21,11 @@ MEGAMOE_DEVICE void mbarrier_arrive_if_at(uint32_t bar_addr, bool pred) {
         : "memory");
 }
 
+// Arrive `count` times at once
+MEGAMOE_DEVICE void mbarrier_arrive_count_at(uint32_t bar_addr, uint32_t count) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(bar_addr), "r"(count) : "memory");
+}
+
 // Arrive and add `num_bytes` to the transaction count the current phase waits for (TMA completes them).
 MEGAMOE_DEVICE void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t num_bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(num_bytes)

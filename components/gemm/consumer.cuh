@@ -157,12 +157,31 @@ MEGAMOE_DEVICE void walk_k_blocks(const Step& step) {
 // timeout is reported after the group's wait; whether a next block exists is a compile-time fact of each call
 // (the first and last blocks are peeled), never a branch in flight. Blocking stage waits run with nothing in flight.
 // Every K-block count from 1 to 64 compiles without spills in both modes (ptxas, BLOCK_M 128: notes/gemm.md).
-template <typename T, bool kTrace = false, bool kFeedOnly = false, bool kPrefetch = true>
+// kSkipPadding (with num_valid_rows, the tile's rows that belong to its expert): at BLOCK_M 128, warpgroup 1 of a
+// tile of at most 64 rows (an expert's last m-block) returns at once, past the tile's stages, with `acc` as the
+// caller set it: its rows are padding, which the epilogues write as zeros or not at all, so the output is the same.
+// The TMA-B producer arrives on each stage's empty barrier for its warps (gemm/producer.cuh). Warpgroup 0 then has
+// the tensor cores to itself: same-call A/B on an H100 (fused kernel, T 1024: a quarter of the m-blocks are such
+// tiles) 463-468 -> 450-456 us, the expert-FFN unit kernel on the same rows 445-451 -> 435-441 (notes/fused.md).
+// NOTES: warpgroup 1 skips ahead of the ring by the tile's K blocks; it must not wait on a stage of its next tile
+// before warpgroup 0 is done with this one (a parity wait cannot tell phases two apart). Callers must join both
+// warpgroups at a named barrier after this call (the expert-FFN and fused epilogues do; the standalone GEMM's
+// per-warpgroup stores do not, so it does not skip), which warpgroup 0 reaches only after its last wait.
+template <typename T, bool kTrace = false, bool kFeedOnly = false, bool kPrefetch = true, bool kSkipPadding = false>
 MEGAMOE_DEVICE void consume_tile(const Pipeline<T::kNumStages, T::kClusterN>& pipeline,
                                  PipelineState<T::kNumStages>& state, const GemmSmem<T>& smem,
                                  const WeightScales& weight_scales, uint32_t math_wg_idx, uint32_t thread_in_wg,
                                  float (&acc)[WGMMA::kNumAccum], const DeviceEnv& env,
-                                 KBlockTrace<kTrace>* trace = nullptr) {
+                                 KBlockTrace<kTrace>* trace = nullptr, uint32_t num_valid_rows = T::BLOCK_M) {
+    constexpr bool kSkips = kSkipPadding and T::kNumMathWarpgroups > 1;
+    static_assert(not kSkips or (T::kNumMathWarpgroups == 2 and T::kClusterN == 1), "one warpgroup may skip");
+    if constexpr (kSkips) {
+        // Warpgroup 1 with only padding rows: past the tile's stages, which warpgroup 0 releases for both
+        if (T::second_warpgroup_idle(num_valid_rows) and math_wg_idx != 0) {
+            state.template advance_by<T::kNumKBlocks>();
+            return;
+        }
+    }
     constexpr bool kL1 = T::kScaleMode == ScaleMode::kL1GateUp;
     constexpr uint32_t kNumKBlocks = T::kNumKBlocks;
     constexpr uint32_t kHiOffset = kL1 ? 0 : T::BLOCK_M;

@@ -20,6 +20,14 @@ struct PipelineState {
             phase ^= 1;
         }
     }
+
+    // advance() kNum times
+    template <uint32_t kNum>
+    MEGAMOE_DEVICE void advance_by() {
+        const uint32_t total = stage + kNum;
+        stage = total % kNumStages;
+        phase ^= (total / kNumStages) & 1;
+    }
 };
 
 // kClusterSize = 2: each stage's A is multicast by both CTAs of the cluster, so a stage is free only once the math
@@ -90,6 +98,14 @@ struct Pipeline {
         ptx::mbarrier_arrive_if_at(bar_addr, lane == 0);
         if constexpr (kClusterSize == 2)
             ptx::mbarrier_arrive_cluster_if(ptx::map_to_cta(bar_addr, cta_rank ^ 1), lane == 0);
+    }
+
+    // Producer, after producer_acquire: arrive for the `num_warps` math warps that skip this stage (a warpgroup whose
+    // rows are all padding: gemm/consumer.cuh, kSkipPadding), so that the stage's empty phase completes with the
+    // other warps' releases.
+    MEGAMOE_DEVICE void producer_release_for_idle(const PipelineState<kNumStages>& state, uint32_t num_warps) const {
+        static_assert(kClusterSize == 1, "a CTA alone");
+        ptx::mbarrier_arrive_count_at(empty_addr + state.stage * 8, num_warps);
     }
 };
 

@@ -50,15 +50,23 @@ MEGAMOE_DEVICE void produce_a_tile(const Pipeline<T::kNumStages, T::kClusterN>& 
 // per stage moves it. Measured on the H200 (probe, 805 MB streamed by 132 CTAs, nothing else): 2D tensor boxes of
 // the row-major weights 4.15-4.31 TB/s, these copies 4.44-4.46 (at 2-16 stages, 8-64 KB each), the 16 B load
 // floor 4.44 (notes/gemm.md).
-template <typename T>
+// kSkipPadding (with num_valid_rows): where the tile's second math warpgroup holds only padding rows, it skips the
+// tile (gemm/consumer.cuh) and this warp arrives on each stage's empty barrier for its warps.
+template <typename T, bool kSkipPadding = false>
 MEGAMOE_DEVICE void produce_b_tile(const Pipeline<T::kNumStages, T::kClusterN>& pipeline,
                                    PipelineState<T::kNumStages>& state, const GemmSmem<T>& smem,
-                                   const uint8_t* b_tiles, uint32_t tile_idx, const DeviceEnv& env) {
+                                   const uint8_t* b_tiles, uint32_t tile_idx, const DeviceEnv& env,
+                                   uint32_t num_valid_rows = T::BLOCK_M) {
     static_assert(T::kTmaBytesB == T::BLOCK_N * T::BLOCK_K, "one stage of B is one whole 128 x 128 B block");
     const uint8_t* tile = b_tiles + static_cast<uint64_t>(tile_idx) * T::kNumKBlocks * T::kTmaBytesB;
+    const bool release_for_idle = kSkipPadding and T::second_warpgroup_idle(num_valid_rows);
     #pragma unroll 1
     for (uint32_t k_block_idx = 0; k_block_idx < T::kNumKBlocks; ++ k_block_idx) {
         pipeline.producer_acquire(env, state);
+        if constexpr (kSkipPadding) {
+            if (release_for_idle)
+                pipeline.producer_release_for_idle(state, T::kNumMathWarps / T::kNumMathWarpgroups);
+        }
         pipeline.producer_commit(state, T::kTmaBytesB);
         ptx::bulk_load_1d(smem.b(state.stage), tile + k_block_idx * T::kTmaBytesB, T::kTmaBytesB,
                           pipeline.full_barrier(state));
