@@ -58,15 +58,15 @@ def compile_variants(tokens: list[int], shape: str) -> None:
     from megamoe.fused import compile_fused, config_for
     from megamoe.layout import SymmLayout
 
-    from megamoe.kernels.expert_ffn import ExpertFfnConfig, compile_expert_ffn
+    from megamoe.bench.fused import unit_kernel_config
+    from megamoe.kernels.expert_ffn import compile_expert_ffn
 
     spec = FUSED_SHAPES[shape]
     layout = SymmLayout.create(1, spec.num_experts, spec.max_tokens, spec.num_topk, spec.hidden, spec.intermediate)
     for t in tokens:
         config = config_for(layout, expected_tokens_per_expert=expected_load(spec, t))
         compile_fused(config)
-        compile_expert_ffn(ExpertFfnConfig(config.block_m, spec.hidden, spec.intermediate, spec.num_experts,
-                                           fast_math=True))
+        compile_expert_ffn(unit_kernel_config(spec, config.block_m))
 
 
 def time_build(tokens: list[int], shape: str, iters: int) -> dict[str, dict]:
@@ -75,11 +75,10 @@ def time_build(tokens: list[int], shape: str, iters: int) -> dict[str, dict]:
     import torch
 
     from megamoe import reference
-    from megamoe.bench.fused import (FUSED_SEEDS, FUSED_SHAPES, _unit_kernel_pool, bench_setup, expected_load,
-                                     routed_inputs)
-    from megamoe.fused import config_for
-    from megamoe.kernels import expert_ffn as ef
+    from megamoe.bench.fused import (FUSED_SEEDS, FUSED_SHAPES, bench_setup, expected_load, routed_inputs,
+                                     unit_kernel_config, unit_kernel_runner)
     from megamoe.bench.timing import time_queued_us
+    from megamoe.fused import FusedConfig
     from megamoe.fused.launch import PHASES
     from megamoe.fused.launch import run as fused_run
     from megamoe.jit.diagnostics import PhaseTimes
@@ -97,10 +96,10 @@ def time_build(tokens: list[int], shape: str, iters: int) -> dict[str, dict]:
             y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=dev)
             expected = expected_load(spec, t)
 
-            def call(**kwargs: object) -> None:
-                fused_run(y, l1, l2, buf, t, expected_tokens_per_expert=expected, **kwargs)
+            def call(**kwargs: object) -> FusedConfig:
+                return fused_run(y, l1, l2, buf, t, expected_tokens_per_expert=expected, **kwargs)
 
-            call()
+            config = call()
             torch.cuda.synchronize()
             y_ref = reference.moe(x, x_sf, idx, tw, natural[0], natural[1], fast_math=True)
             err = reference.rel_l2(y.float(), y_ref.float())
@@ -111,14 +110,7 @@ def time_build(tokens: list[int], shape: str, iters: int) -> dict[str, dict]:
                 call(phase_times=timer)
             torch.cuda.synchronize()
             counts = torch.bincount(idx.flatten(), minlength=e).tolist()
-            block_m = config_for(buf.layout, expected_tokens_per_expert=expected).block_m
-            ffn_config = ef.ExpertFfnConfig(block_m, h, spec.intermediate, e, fast_math=True)
-            pool, outputs = _unit_kernel_pool(buf, ffn_config, counts, (l1, l2))
-
-            def unit_kernel() -> None:
-                outputs.l1_done_count.zero_()
-                ef.run(ffn_config, pool, outputs)
-
+            unit_kernel = unit_kernel_runner(buf, unit_kernel_config(spec, config.block_m), counts, (l1, l2))
             ffn_cold = time_queued_us(unit_kernel, warmup=5, iters=iters, before=flush)["median_us"]
             ffn_warm = time_queued_us(unit_kernel, warmup=5, iters=iters)["median_us"]
             out[f"T {t} seed {seed}"] = dict(cold=cold, warm=warm, err=err, phases=timer.ends_us(),

@@ -40,15 +40,14 @@ struct GemmTraits {
     static constexpr uint32_t kNumMathWarpgroups = BLOCK_M == 128 ? 2 : 1;
     static constexpr uint32_t kNumMathThreads = kNumMathWarpgroups * 128;
     static constexpr uint32_t kNumMathWarps = kNumMathThreads / 32;
-    static constexpr uint32_t kNumKBlocks = SHAPE_K / BLOCK_K;
-    static constexpr uint32_t kNumNBlocks = SHAPE_N / BLOCK_N;
-    static constexpr uint32_t kNumKSteps = BLOCK_K / WGMMA_K;
-
     // A tile of `num_valid_rows` rows whose second math warpgroup holds only padding rows (kSkipPadding of
     // gemm/consumer.cuh and gemm/producer.cuh: that warpgroup does no math)
     MEGAMOE_DEVICE static bool second_warpgroup_idle(uint32_t num_valid_rows) {
         return kNumMathWarpgroups == 2 and num_valid_rows <= WGMMA_M;
     }
+    static constexpr uint32_t kNumKBlocks = SHAPE_K / BLOCK_K;
+    static constexpr uint32_t kNumNBlocks = SHAPE_N / BLOCK_N;
+    static constexpr uint32_t kNumKSteps = BLOCK_K / WGMMA_K;
     static constexpr uint32_t kNumSfaPerKBlock = kScaleMode == ScaleMode::kL2Per64 ? 2 : 1;
 
     // A stages stay 64 rows tall for BLOCK_M = 32: WGMMA always reads 64 rows (the extra rows are never

@@ -19,7 +19,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from rich.console import Group
@@ -180,14 +180,13 @@ def fused_kernel_configs(shape: str = "flash", tokens: Sequence[int] | None = No
     dispatch/combine unit kernels."""
     from megamoe.fused import config_for
     from megamoe.kernels.dispatch_combine import DispatchCombineConfig
-    from megamoe.kernels.expert_ffn import ExpertFfnConfig
     from megamoe.layout import SymmLayout
 
     spec = FUSED_SHAPES[shape]
     e, h, i = spec.num_experts, spec.hidden, spec.intermediate
     layout = SymmLayout.create(1, e, spec.max_tokens, spec.num_topk, h, i)
     fused = [config_for(layout, serial=serial) for serial in (True, False)]
-    return fused + [ExpertFfnConfig(fused[0].block_m, h, i, e, fast_math=True),
+    return fused + [unit_kernel_config(spec, fused[0].block_m),
                     DispatchCombineConfig(layout, fused[0].block_m, True)] + [
         config_for(layout, serial=False, pull_stages=p) for p in PULL_STAGE_VARIANTS] + [
         config_for(layout, expected_tokens_per_expert=expected_load(spec, t)) for t in tokens or spec.tokens]
@@ -216,8 +215,16 @@ def precompile_fused(shape: str = "flash") -> None:
             compile_fused(config)
 
 
-def _unit_kernel_pool(buf: Any, config: Any, counts: list[int], w: tuple) -> tuple[Any, Any]:
-    """The expert-FFN unit kernel's inputs over the pool the fused call left in `buf` (same rows, same BLOCK_M)."""
+def unit_kernel_config(spec: FusedShape, block_m: int) -> Any:
+    """The expert-FFN unit kernel the bench compares the fused kernel with: the shape's, the fused call's BLOCK_M."""
+    from megamoe.kernels.expert_ffn import ExpertFfnConfig
+
+    return ExpertFfnConfig(block_m, spec.hidden, spec.intermediate, spec.num_experts, fast_math=True)
+
+
+def unit_kernel_runner(buf: Any, config: Any, counts: list[int], w: tuple) -> Callable[[], None]:
+    """A launch of the expert-FFN unit kernel over the pool the fused call left in `buf` (same rows, same BLOCK_M),
+    its completion counters zeroed first."""
     from megamoe.kernels import expert_ffn as ef
 
     rows = config.num_pool_rows(counts, spare_blocks=0)
@@ -226,7 +233,13 @@ def _unit_kernel_pool(buf: Any, config: Any, counts: list[int], w: tuple) -> tup
                           buf.view("l1_topk_weights")[:rows].contiguous(), w[0][0], w[0][1].contiguous(),
                           w[1][0].contiguous(), w[1][1].contiguous(),
                           torch.tensor(counts, dtype=torch.int32, device=device))
-    return inputs, ef.new_outputs(config, rows, device)
+    outputs = ef.new_outputs(config, rows, device)
+
+    def run() -> None:
+        outputs.l1_done_count.zero_()
+        ef.run(config, inputs, outputs)
+
+    return run
 
 
 def bench_setup(spec: FusedShape, dev: torch.device) -> tuple[tuple, Any, Any, Any, Any]:
@@ -255,7 +268,6 @@ def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSE
     from megamoe.jit.diagnostics import PhaseTimes
     from megamoe.jit.runtime import num_sms as device_num_sms
     from megamoe.kernels import dispatch_combine as dc
-    from megamoe.kernels import expert_ffn as ef
 
     wave_fills = list(wave_fills or [heuristics.WAVE_FILL])
 
@@ -298,12 +310,8 @@ def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSE
                 if fitted != configs[False]:
                     result.fitted_phases = marks(expected_tokens_per_expert=expected_load(spec, t))
             flops = 6.0 * rows * h * i
-            ffn_config = ef.ExpertFfnConfig(configs[False].block_m, h, i, e, fast_math=True)
-            pool, outputs = _unit_kernel_pool(buf, ffn_config, counts, (l1, l2))
-
-            def unit_kernel() -> None:
-                outputs.l1_done_count.zero_()
-                ef.run(ffn_config, pool, outputs)
+            unit_kernel = unit_kernel_runner(buf, unit_kernel_config(spec, configs[False].block_m), counts,
+                                             (l1, l2))
 
             y_dc = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
 
