@@ -75,7 +75,7 @@ def time_build(tokens: list[int], shape: str, iters: int) -> dict[str, dict]:
     import torch
 
     from megamoe import reference
-    from megamoe.bench.fused import (FUSED_SEEDS, FUSED_SHAPES, bench_setup, expected_load, routed_inputs,
+    from megamoe.bench.fused import (FUSED_SEEDS, FUSED_SHAPES, bench_setup, expected_load, load_routed_inputs,
                                      unit_kernel_config, unit_kernel_runner)
     from megamoe.bench.timing import time_queued_us
     from megamoe.fused import FusedConfig
@@ -85,14 +85,12 @@ def time_build(tokens: list[int], shape: str, iters: int) -> dict[str, dict]:
 
     dev = torch.device("cuda")
     spec = FUSED_SHAPES[shape]
-    e, h, k = spec.num_experts, spec.hidden, spec.num_topk
+    e, h = spec.num_experts, spec.hidden
     natural, l1, l2, buf, flush = bench_setup(spec, dev)
     out: dict[str, dict] = {}
     for t in tokens:
         for seed in FUSED_SEEDS:
-            x, x_sf, idx, tw = routed_inputs(t, e, k, h, seed, dev)
-            for name, value in (("x", x), ("x_sf", x_sf), ("topk_idx", idx), ("topk_weights", tw)):
-                getattr(buf, name)[:t].copy_(value)
+            x, x_sf, idx, tw = load_routed_inputs(buf, spec, t, seed, dev)
             y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=dev)
             expected = expected_load(spec, t)
 

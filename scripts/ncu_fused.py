@@ -10,7 +10,7 @@ import torch
 
 from megamoe import weights
 from megamoe.bench.ffn import ffn_random_weights
-from megamoe.bench.fused import FUSED_SHAPES, routed_inputs
+from megamoe.bench.fused import FUSED_SHAPES, load_routed_inputs
 from megamoe.buffer import allocate
 from megamoe.fused.launch import run
 from megamoe.layout import SymmLayout
@@ -25,8 +25,7 @@ def main() -> None:
     natural = ffn_random_weights(e, h, i, generator=torch.Generator(device=dev).manual_seed(12345), device=dev)
     l1, l2 = weights.transform_weights(*natural)
     buf = allocate(None, SymmLayout.create(1, e, spec.max_tokens, k, h, i), dev)
-    for name, value in zip(("x", "x_sf", "topk_idx", "topk_weights"), routed_inputs(num_tokens, e, k, h, 0, dev)):
-        getattr(buf, name)[:num_tokens].copy_(value)
+    load_routed_inputs(buf, spec, num_tokens, 0, dev)
     y = torch.empty(num_tokens, h, dtype=torch.bfloat16, device=dev)
     for _ in range(2):
         run(y, l1, l2, buf, num_tokens, expected_tokens_per_expert=expected)

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from megamoe.bench.fused import (FUSED_SHAPES, bench_setup, expected_load, routed_inputs, unit_kernel_config,
+from megamoe.bench.fused import (FUSED_SHAPES, bench_setup, expected_load, load_routed_inputs, unit_kernel_config,
                                  unit_kernel_runner)
 from megamoe.bench.timing import L2_FLUSH_BYTES, time_queued_us
 from megamoe.fused.launch import PHASES
@@ -20,7 +20,7 @@ from megamoe.jit.diagnostics import PhaseTimes
 def main(tokens: list[int]) -> None:
     dev = torch.device("cuda")
     spec = FUSED_SHAPES["flash"]
-    e, h, k = spec.num_experts, spec.hidden, spec.num_topk
+    e, h = spec.num_experts, spec.hidden
     _, l1, l2, buf, write_flush = bench_setup(spec, dev)
     scratch = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.float32, device=dev).fill_(1.0)
     sink = torch.empty(1, dtype=torch.float32, device=dev)
@@ -35,9 +35,7 @@ def main(tokens: list[int]) -> None:
 
     flushes = {"write": write_flush, "read": read_flush, "write+read": write_read, "none": None}
     for t in tokens:
-        x, x_sf, idx, tw = routed_inputs(t, e, k, h, 0, dev)
-        for name, value in (("x", x), ("x_sf", x_sf), ("topk_idx", idx), ("topk_weights", tw)):
-            getattr(buf, name)[:t].copy_(value)
+        _, _, idx, _ = load_routed_inputs(buf, spec, t, 0, dev)
         y = torch.empty((t, h), dtype=torch.bfloat16, device=dev)
         expected = expected_load(spec, t)
 

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from megamoe.bench.fused import (FUSED_SHAPES, bench_setup, expected_load, routed_inputs, unit_kernel_config,
+from megamoe.bench.fused import (FUSED_SHAPES, bench_setup, expected_load, load_routed_inputs, unit_kernel_config,
                                  unit_kernel_runner)
 from megamoe.bench.timing import time_queued_us
 from megamoe.fused.launch import PHASES
@@ -20,13 +20,11 @@ from megamoe.jit.diagnostics import PhaseTimes
 def main(tokens: list[int], seeds: list[int]) -> None:
     dev = torch.device("cuda")
     spec = FUSED_SHAPES["flash"]
-    e, h, k = spec.num_experts, spec.hidden, spec.num_topk
+    e, h = spec.num_experts, spec.hidden
     _, l1, l2, buf, flush = bench_setup(spec, dev)
     for t in tokens:
         for seed in seeds:
-            x, x_sf, idx, tw = routed_inputs(t, e, k, h, seed, dev)
-            for name, value in (("x", x), ("x_sf", x_sf), ("topk_idx", idx), ("topk_weights", tw)):
-                getattr(buf, name)[:t].copy_(value)
+            _, _, idx, _ = load_routed_inputs(buf, spec, t, seed, dev)
             y = torch.empty((t, h), dtype=torch.bfloat16, device=dev)
             expected = expected_load(spec, t)
             block_m = 0

@@ -175,6 +175,15 @@ def routed_inputs(num_tokens: int, num_experts: int, num_topk: int, hidden: int,
             torch.softmax(top.values, dim=1).to(torch.float32).to(device))
 
 
+def load_routed_inputs(buf: Any, spec: FusedShape, num_tokens: int, seed: int,
+                       device: torch.device) -> tuple[torch.Tensor, ...]:
+    """routed_inputs of one case, copied into the buffer's first `num_tokens` input rows; returns them."""
+    inputs = routed_inputs(num_tokens, spec.num_experts, spec.num_topk, spec.hidden, seed, device)
+    for name, value in zip(("x", "x_sf", "topk_idx", "topk_weights"), inputs):
+        getattr(buf, name)[:num_tokens].copy_(value)
+    return inputs
+
+
 def fused_kernel_configs(shape: str = "flash", tokens: Sequence[int] | None = None) -> list[Any]:
     """Every variant the bench launches (for --compile-only): the fused kernel both orders, the expert-FFN and the
     dispatch/combine unit kernels."""
@@ -273,16 +282,14 @@ def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSE
 
     dev = torch.device(device)
     spec = FUSED_SHAPES[shape]
-    e, h, i, k = spec.num_experts, spec.hidden, spec.intermediate, spec.num_topk
+    e, h, i = spec.num_experts, spec.hidden, spec.intermediate
     natural, l1, l2, buf, flush = bench_setup(spec, dev)
     expert_bytes = 3 * h * i
     results = []
     for t in tokens or spec.tokens:
         for seed in seeds:
             started = time.perf_counter()
-            x, x_sf, idx, tw = routed_inputs(t, e, k, h, seed, dev)
-            for name, value in (("x", x), ("x_sf", x_sf), ("topk_idx", idx), ("topk_weights", tw)):
-                getattr(buf, name)[:t].copy_(value)
+            x, x_sf, idx, tw = load_routed_inputs(buf, spec, t, seed, dev)
             counts = torch.bincount(idx.flatten(), minlength=e).tolist()
             touched, rows = sum(c > 0 for c in counts), sum(counts)
             floor = touched * expert_bytes / (HBM_READ_TBPS * 1e6)
@@ -384,7 +391,7 @@ def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSE
 def fused_report(results: list[FusedCaseResult]) -> tuple[dict[str, Any], Table]:
     shape = results[0].shape if results else "flash"
     spec = FUSED_SHAPES[shape]
-    e, h, i, k = spec.num_experts, spec.hidden, spec.intermediate, spec.num_topk
+    e, h, i = spec.num_experts, spec.hidden, spec.intermediate
     iters = results[0].iters if results else 0
     warmup = results[0].warmup if results else 0
     caption = FUSED_FORMULA.format(hbm=HBM_READ_TBPS, iters=iters, warmup=warmup)
