@@ -76,7 +76,7 @@ def time_build(tokens: list[int], shape: str, iters: int) -> dict[str, dict]:
 
     from megamoe import reference
     from megamoe.bench.fused import (FUSED_SEEDS, FUSED_SHAPES, bench_setup, expected_load, load_routed_inputs,
-                                     unit_kernel_config, unit_kernel_runner)
+                                     unit_kernel_runner)
     from megamoe.bench.timing import time_queued_us
     from megamoe.fused import FusedConfig
     from megamoe.fused.launch import PHASES
@@ -108,7 +108,7 @@ def time_build(tokens: list[int], shape: str, iters: int) -> dict[str, dict]:
                 call(phase_times=timer)
             torch.cuda.synchronize()
             counts = torch.bincount(idx.flatten(), minlength=e).tolist()
-            unit_kernel = unit_kernel_runner(buf, unit_kernel_config(spec, config.block_m), counts, (l1, l2))
+            unit_kernel = unit_kernel_runner(buf, spec, config.block_m, counts, (l1, l2))
             ffn_cold = time_queued_us(unit_kernel, warmup=5, iters=iters, before=flush)["median_us"]
             ffn_warm = time_queued_us(unit_kernel, warmup=5, iters=iters)["median_us"]
             out[f"T {t} seed {seed}"] = dict(cold=cold, warm=warm, err=err, phases=timer.ends_us(),

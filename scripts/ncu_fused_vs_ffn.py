@@ -9,8 +9,7 @@ import sys
 
 import torch
 
-from megamoe.bench.fused import (FUSED_SHAPES, bench_setup, expected_load, load_routed_inputs, unit_kernel_config,
-                                 unit_kernel_runner)
+from megamoe.bench.fused import FUSED_SHAPES, bench_setup, expected_load, load_routed_inputs, unit_kernel_runner
 from megamoe.fused.launch import run as fused_run
 
 
@@ -25,7 +24,7 @@ def main(num_tokens: int) -> None:
     for serial in (False, True):
         block_m = fused_run(y, l1, l2, buf, num_tokens, expected_tokens_per_expert=expected, serial=serial).block_m
     counts = torch.bincount(idx.flatten(), minlength=spec.num_experts).tolist()
-    unit_kernel_runner(buf, unit_kernel_config(spec, block_m), counts, (l1, l2))()
+    unit_kernel_runner(buf, spec, block_m, counts, (l1, l2))()
     torch.cuda.synchronize()
 
 

@@ -10,12 +10,12 @@ import sys
 
 import torch
 
-from megamoe.bench.fused import (FUSED_SHAPES, bench_setup, expected_load, load_routed_inputs, unit_kernel_config,
-                                 unit_kernel_runner)
+from megamoe.bench.fused import FUSED_SHAPES, bench_setup, expected_load, load_routed_inputs, unit_kernel_runner
 from megamoe.bench.timing import L2_FLUSH_BYTES, time_queued_us
 from megamoe.fused.launch import PHASES
 from megamoe.fused.launch import run as fused_run
 from megamoe.jit.diagnostics import PhaseTimes
+
 
 def main(tokens: list[int]) -> None:
     dev = torch.device("cuda")
@@ -44,7 +44,7 @@ def main(tokens: list[int]) -> None:
 
         config = call()
         counts = torch.bincount(idx.flatten(), minlength=e).tolist()
-        unit = unit_kernel_runner(buf, unit_kernel_config(spec, config.block_m), counts, (l1, l2))
+        unit = unit_kernel_runner(buf, spec, config.block_m, counts, (l1, l2))
         for _ in range(2):
             line = []
             for fname, f in flushes.items():
@@ -53,15 +53,13 @@ def main(tokens: list[int]) -> None:
                 line.append(f"{fname} {fused:.1f}/{ffn:.1f}")
             print(f"T {t}: fused/FFN " + " | ".join(line), flush=True)
         for fname in ("write", "read", "none"):
-            ends = []
-            for _ in range(3):
+            for _ in range(3):  # the marks of the last of three calls
                 if flushes[fname] is not None:
                     flushes[fname]()
                 timer = PhaseTimes(PHASES, dev)
                 call(phase_times=timer)
                 torch.cuda.synchronize()
-                ends.append(timer.ends_us())
-            print(f"T {t} phases after {fname}: {ends[-1]}", flush=True)
+            print(f"T {t} phases after {fname}: {timer.ends_us()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,7 @@ import sys
 
 import torch
 
-from megamoe.bench.fused import (FUSED_SHAPES, bench_setup, expected_load, load_routed_inputs, unit_kernel_config,
-                                 unit_kernel_runner)
+from megamoe.bench.fused import FUSED_SHAPES, bench_setup, expected_load, load_routed_inputs, unit_kernel_runner
 from megamoe.bench.timing import time_queued_us
 from megamoe.fused.launch import PHASES
 from megamoe.fused.launch import run as fused_run
@@ -36,8 +35,7 @@ def main(tokens: list[int], seeds: list[int]) -> None:
                 block_m = call().block_m
                 cold = time_queued_us(call, warmup=3, iters=20, before=flush)["median_us"]
                 warm = time_queued_us(call, warmup=3, iters=20)["median_us"]
-                timer = PhaseTimes(PHASES, dev)
-                for _ in range(3):
+                for _ in range(3):  # the marks of the last of three calls
                     timer = PhaseTimes(PHASES, dev)
                     call(phase_times=timer)
                 torch.cuda.synchronize()
@@ -45,7 +43,7 @@ def main(tokens: list[int], seeds: list[int]) -> None:
                 print(f"T {t} seed {seed} {'serial' if serial else 'overlapped'}: cold {cold:.1f} warm {warm:.1f} | "
                       f"{marks}", flush=True)
             counts = torch.bincount(idx.flatten(), minlength=e).tolist()
-            unit = unit_kernel_runner(buf, unit_kernel_config(spec, block_m), counts, (l1, l2))
+            unit = unit_kernel_runner(buf, spec, block_m, counts, (l1, l2))
             cold = time_queued_us(unit, warmup=3, iters=20, before=flush)["median_us"]
             warm = time_queued_us(unit, warmup=3, iters=20)["median_us"]
             print(f"T {t} seed {seed} expert-FFN unit kernel: cold {cold:.1f} warm {warm:.1f}", flush=True)

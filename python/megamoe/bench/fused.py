@@ -231,10 +231,12 @@ def unit_kernel_config(spec: FusedShape, block_m: int) -> Any:
     return ExpertFfnConfig(block_m, spec.hidden, spec.intermediate, spec.num_experts, fast_math=True)
 
 
-def unit_kernel_runner(buf: Any, config: Any, counts: list[int], w: tuple) -> Callable[[], None]:
-    """A launch of the expert-FFN unit kernel over the pool the fused call left in `buf` (same rows, same BLOCK_M),
-    its completion counters zeroed first."""
+def unit_kernel_runner(buf: Any, spec: FusedShape, block_m: int, counts: list[int], w: tuple) -> Callable[[], None]:
+    """A launch of the expert-FFN unit kernel (unit_kernel_config) over the pool the fused call left in `buf` (same
+    rows, the call's BLOCK_M), its completion counters zeroed first."""
     from megamoe.kernels import expert_ffn as ef
+
+    config = unit_kernel_config(spec, block_m)
 
     rows = config.num_pool_rows(counts, spare_blocks=0)
     device = buf.device
@@ -317,8 +319,7 @@ def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSE
                 if fitted != configs[False]:
                     result.fitted_phases = marks(expected_tokens_per_expert=expected_load(spec, t))
             flops = 6.0 * rows * h * i
-            unit_kernel = unit_kernel_runner(buf, unit_kernel_config(spec, configs[False].block_m), counts,
-                                             (l1, l2))
+            unit_kernel = unit_kernel_runner(buf, spec, configs[False].block_m, counts, (l1, l2))
 
             y_dc = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
 
