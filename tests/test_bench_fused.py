@@ -80,6 +80,14 @@ def test_phases_table() -> None:
     assert len(rows) == 3 and "call's config" in rows[1] and "21.0 / 91.0" in rows[1]
     assert "call's config" not in rows[0] + rows[2]
 
+    # The main table (it runs after every GPU case: a name error in it lost a whole device run)
+    fitted.record(bf.FusedMeasurement(impl="fused", time_us=400.0, cold=True, x_floor=400.0 / 184.7))
+    fields, table = bf.fused_report([fitted])
+    console = Console(width=240, record=True)
+    console.print(table)
+    text = console.export_text()
+    assert "E 32 H 4096 I 2048 top-6" in text and "400.0" in text
+
 
 def test_routed_cublas_matches_the_reference() -> None:
     """The cuBLAS unfused baseline on a routing with masked slots and an empty expert, with a CPU stand-in for

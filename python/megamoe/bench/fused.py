@@ -392,12 +392,12 @@ def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSE
 def fused_report(results: list[FusedCaseResult]) -> tuple[dict[str, Any], Table]:
     shape = results[0].shape if results else "flash"
     spec = FUSED_SHAPES[shape]
-    e, h, i = spec.num_experts, spec.hidden, spec.intermediate
+    e, h, i, k = spec.num_experts, spec.hidden, spec.intermediate, spec.num_topk
     iters = results[0].iters if results else 0
     warmup = results[0].warmup if results else 0
     caption = FUSED_FORMULA.format(hbm=HBM_READ_TBPS, iters=iters, warmup=warmup)
     table = results_table(f"megamoe bench fused --shape {shape}: E {e} H {h} I {i} top-{k}, one GPU "
-                          f"({torch.cuda.get_device_name()})",
+                          f"({torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'})",
                           ["case", "experts / max rows / rows", "floor us",
                            "y rel-L2 fused / cuBLAS, serial == overlapped", "implementation", "L2", "us", "x floor",
                            "TFLOP/s", "note"],
