@@ -69,3 +69,16 @@ def test_time_rounds_times_every_runner_once_per_round_in_shuffled_orders(monkey
     assert all(sorted(r) == list("abcdef") for r in rounds)
     assert len({tuple(r) for r in rounds}) > 1  # later rounds reordered
     assert timing.time_rounds(runners, rounds=4, iters=3) == {k: [v + 24 for v in ts] for k, ts in times.items()}
+
+
+def test_shuffled_rounds_keeps_each_timers_results_in_round_order() -> None:
+    """The fused bench's form: any key (here (runner, cold)), any result type (here time_queued_us's dicts)."""
+    calls: list[tuple[str, bool]] = []
+    timers = {(name, cold): (lambda key=(name, cold): (calls.append(key), {"median_us": float(len(calls))})[1])
+              for name in "abc" for cold in (False, True)}
+    results = timing.shuffled_rounds(timers, rounds=3)
+    assert list(results) == list(timers) and all(len(r) == 3 for r in results.values())
+    assert calls[:6] == list(timers)  # the first round in the given order
+    for key, rs in results.items():  # each result is the one its own call returned, in round order
+        positions = [i + 1 for i, c in enumerate(calls) if c == key]
+        assert [r["median_us"] for r in rs] == positions

@@ -5,7 +5,9 @@ same pool rows, warm and after an L2 flush, against the weight-read floor of the
 Routing of every case: top-k of randn(T, E) (seed s), weights the softmax of the chosen scores. Every case's output
 is checked first against megamoe.reference.moe (y rel-L2), and the serial and overlapped outputs compared bit for
 bit. Times: GPU time of back-to-back runs queued behind a sleep (bench.timing.time_queued_us), median of `iters`;
-cold: each run after a 256 MB write (outside its interval). Beside the fused kernel, in the same rounds:
+cold: each run after a 256 MB write (outside its interval); `rounds` rounds per case, each timing every
+implementation warm and cold once in its own shuffled order (bench.timing.shuffled_rounds, the GEMM bench's method),
+reported as the median over the rounds. Beside the fused kernel, in the same rounds:
 - the expert-FFN unit kernel on the pool rows the fused call left (the GEMM work alone);
 - the chain of our unit kernels: the dispatch/combine unit kernel (dispatch, its trivial expert, scatter, combine)
   then the expert-FFN unit kernel, two launches back to back (the fused kernel's work, unfused);
@@ -16,9 +18,10 @@ wave of every expert)."""
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,7 +29,7 @@ from rich.console import Group
 from rich.table import Table
 
 from megamoe.bench.results import CaseResult, Measurement, fmt, results_table
-from megamoe.bench.timing import HBM_READ_TBPS, l2_flusher, time_queued_us
+from megamoe.bench.timing import HBM_READ_TBPS, l2_flusher, shuffled_rounds, time_queued_us
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ FUSED_MAX_Y_REL_L2 = 1e-2  # as the gpu tests (tests/test_fused_gpu.py: MAX_Y_RE
 FUSED_FORMULA = (
     "floor = FP8 weight bytes of the experts touched (3 x H x I each) / {hbm:g} TB/s; x floor = time / floor; "
     "TFLOP/s = 6 x rows x H x I / time, rows = valid (token, slot) pairs; cold = after a 256 MB L2 flush. Times: "
+    "median over {rounds} rounds (each times every implementation warm and cold once, in shuffled orders) of the "
     "median of {iters} queued runs after {warmup} warm-up (GPU time between CUDA events)."
 )
 
@@ -139,6 +143,7 @@ def verified_routed_cublas(x: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.
 class FusedMeasurement(Measurement):
     cold: bool = False
     x_floor: float | None = None
+    rounds_us: list[float] = field(default_factory=list)  # per-round medians (time_us: their median)
 
 
 @dataclass(kw_only=True)
@@ -268,8 +273,8 @@ def bench_setup(spec: FusedShape, dev: torch.device) -> tuple[tuple, Any, Any, A
     return natural, l1, l2, buf, l2_flusher(dev)
 
 
-def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSED_SEEDS, *, warmup: int = 5,
-                iters: int = 30, wave_fills: Sequence[int] | None = None, phases: bool = False,
+def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSED_SEEDS, *, warmup: int = 3,
+                iters: int = 20, rounds: int = 5, wave_fills: Sequence[int] | None = None, phases: bool = False,
                 shape: str = "flash", device: str = "cuda") -> list[FusedCaseResult]:
     from megamoe import heuristics, reference
     from megamoe.bench.timing import graphed
@@ -369,18 +374,25 @@ def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSE
                 for cold in (False, True):
                     result.record(FusedMeasurement(impl=cublas_name, time_us=None, cold=cold,
                                                    note=f"NOT TIMED: {cublas_note}"))
-            for name, fn in runners.items():
+            # Timed in rounds (shuffled_rounds): each round times every runner warm and cold once, in its own
+            # order, so that the GPU's power state (which the heavier runners move) hits all of them alike
+            timers = {(name, cold): (lambda fn=fn, cold=cold: time_queued_us(
+                          fn, warmup=warmup, iters=iters, before=flush if cold else None))
+                      for name, fn in runners.items() for cold in (False, True)} if ok else {}
+            timed = shuffled_rounds(timers, rounds=rounds)
+            for name in runners:
                 for cold in (False, True):
                     note = "" if ok else f"NOT TIMED: y rel-L2 {err:.2e} > {FUSED_MAX_Y_REL_L2:g}"
                     if name in mismatched:
                         note = "y DIFFERS from the default overlapped call's"
-                    us = None
+                    us, rounds_us = None, []
                     if ok:
-                        timed = time_queued_us(fn, warmup=warmup, iters=iters, before=flush if cold else None)
-                        us = timed["median_us"]
-                        if timed["host_bound"]:
+                        rounds_us = [t["median_us"] for t in timed[name, cold]]
+                        us = statistics.median(rounds_us)
+                        note = "; ".join(filter(None, (note, f"rounds {min(rounds_us):.1f}..{max(rounds_us):.1f}")))
+                        if any(t["host_bound"] for t in timed[name, cold]):
                             note = "; ".join(filter(None, (note, "host-bound: includes launch overhead")))
-                    result.record(FusedMeasurement(impl=name, time_us=us, cold=cold, note=note,
+                    result.record(FusedMeasurement(impl=name, time_us=us, cold=cold, note=note, rounds_us=rounds_us,
                                                    x_floor=None if us is None else us / floor,
                                                    **Measurement.rates(us, flops, touched * expert_bytes)))
             results.append(result)
@@ -395,7 +407,8 @@ def fused_report(results: list[FusedCaseResult]) -> tuple[dict[str, Any], Table]
     e, h, i, k = spec.num_experts, spec.hidden, spec.intermediate, spec.num_topk
     iters = results[0].iters if results else 0
     warmup = results[0].warmup if results else 0
-    caption = FUSED_FORMULA.format(hbm=HBM_READ_TBPS, iters=iters, warmup=warmup)
+    rounds = len(results[0].measurements[0].rounds_us) if results and results[0].measurements else 0
+    caption = FUSED_FORMULA.format(hbm=HBM_READ_TBPS, iters=iters, warmup=warmup, rounds=rounds)
     table = results_table(f"megamoe bench fused --shape {shape}: E {e} H {h} I {i} top-{k}, one GPU "
                           f"({torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'})",
                           ["case", "experts / max rows / rows", "floor us",

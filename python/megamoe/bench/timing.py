@@ -8,9 +8,12 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
+
+K = TypeVar("K")
+T = TypeVar("T")
 
 # Ceilings measured on the H200s of this project (README "Benchmarks").
 HBM_READ_TBPS = 4.36
@@ -37,20 +40,25 @@ def time_us(fn: Callable[[], None], *, warmup: int = 5, iters: int = 30) -> floa
     return statistics.median(times)
 
 
-def time_rounds(runners: dict[str, Callable[[], None]], *, rounds: int, iters: int) -> dict[str, list[float]]:
-    """Each round times every runner once (time_us: median of `iters`), so that the GPU's clock and power state (the
-    H200 runs into its power cap under load and clocks between 1.3 and 1.98 GHz) hits all of them alike instead of
-    favouring whichever runs after a pause. The first round goes in the given order, every later one in its own
-    (seeded, so repeatable) shuffle: the power state a runner meets depends on what ran just before it (measured:
-    in a fixed order, the runner that always follows the heaviest case ran 5-10% slower than elsewhere).
-    Returns each runner's per-round medians."""
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    names = list(runners)
+def shuffled_rounds(timers: dict[K, Callable[[], T]], *, rounds: int) -> dict[K, list[T]]:
+    """Each round calls every timer once, so that the GPU's clock and power state (the H200 runs into its power cap
+    under load and clocks between 1.3 and 1.98 GHz) hits all of them alike instead of favouring whichever runs after
+    a pause. The first round goes in the given order, every later one in its own (seeded, so repeatable) shuffle:
+    the power state a runner meets depends on what ran just before it (measured: in a fixed order, the runner that
+    always follows the heaviest case ran 5-10% slower than elsewhere). Returns each timer's per-round results."""
+    results: dict[K, list[T]] = {key: [] for key in timers}
+    keys = list(timers)
     for round_idx in range(rounds):
-        order = names if round_idx == 0 else random.Random(round_idx).sample(names, len(names))
-        for name in order:
-            times[name].append(time_us(runners[name], iters=iters))
-    return times
+        order = keys if round_idx == 0 else random.Random(round_idx).sample(keys, len(keys))
+        for key in order:
+            results[key].append(timers[key]())
+    return results
+
+
+def time_rounds(runners: dict[str, Callable[[], None]], *, rounds: int, iters: int) -> dict[str, list[float]]:
+    """shuffled_rounds of time_us (median of `iters`) over every runner: each runner's per-round medians."""
+    return shuffled_rounds({name: (lambda fn=fn: time_us(fn, iters=iters)) for name, fn in runners.items()},
+                           rounds=rounds)
 
 
 def l2_flusher(device: torch.device | str = "cuda") -> Callable[[], None]:
