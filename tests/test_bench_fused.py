@@ -81,12 +81,16 @@ def test_phases_table() -> None:
     assert "call's config" not in rows[0] + rows[2]
 
     # The main table (it runs after every GPU case: a name error in it lost a whole device run)
-    fitted.record(bf.FusedMeasurement(impl="fused", time_us=400.0, cold=True, x_floor=400.0 / 184.7))
+    # (an untimed baseline first, as when cuBLAS fails: the caption still counts the rounds of the timed rows)
+    fitted.record(bf.FusedMeasurement(impl="cuBLAS", time_us=None, cold=False, note="NOT TIMED: no scaled_mm"))
+    fitted.record(bf.FusedMeasurement(impl="fused", time_us=400.0, cold=True, x_floor=400.0 / 184.7,
+                                      rounds_us=[401.0, 400.0, 399.0], note="rounds 399.0..401.0"))
     fields, table = bf.fused_report([fitted])
-    console = Console(width=240, record=True)
+    console = Console(width=300, record=True)
     console.print(table)
     text = console.export_text()
-    assert "E 32 H 4096 I 2048 top-6" in text and "400.0" in text
+    assert "E 32 H 4096 I 2048 top-6" in text and "400.0" in text and "rounds 399.0..401.0" in text
+    assert "median over 3 rounds" in fields["formula"]
 
 
 def test_routed_cublas_matches_the_reference() -> None:

@@ -407,7 +407,7 @@ def fused_report(results: list[FusedCaseResult]) -> tuple[dict[str, Any], Table]
     e, h, i, k = spec.num_experts, spec.hidden, spec.intermediate, spec.num_topk
     iters = results[0].iters if results else 0
     warmup = results[0].warmup if results else 0
-    rounds = len(results[0].measurements[0].rounds_us) if results and results[0].measurements else 0
+    rounds = max((len(m.rounds_us) for r in results for m in r.measurements), default=0)
     caption = FUSED_FORMULA.format(hbm=HBM_READ_TBPS, iters=iters, warmup=warmup, rounds=rounds)
     table = results_table(f"megamoe bench fused --shape {shape}: E {e} H {h} I {i} top-{k}, one GPU "
                           f"({torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'})",
