@@ -17,19 +17,19 @@ MEGAMOE_DEVICE void clamp_gate_up(float& gate, float& up, float clamp) {
     }
 }
 
-// silu(gate) = gate * sigmoid(gate).
-// Exact: gate * (1 / (1 + expf(-gate))) with the accurate expf and an IEEE reciprocal, the formula of the
-// reference (torch.sigmoid = 1 / (1 + exp(-x))). Fast: gate / (1 + __expf(-gate)) with the MUFU exponential and
-// an approximate division (x * rcp.approx(y)); for gate <= -88 the denominator is inf and the result -0.
 // 2^x by the MUFU with denormal results flushed to zero (ex2.approx.ftz): __expf's ex2.approx without .ftz adds a
 // compare and two predicated multiplies per call to produce denormal results for x < -126 (96 of the L1
-// epilogue's ~630 instructions per warp; T 4096 2-6 us faster on an H100, notes/fused.md).
+// epilogue's ~630 instructions per warp; T 4096 2-9 us faster on an H100, notes/fused.md).
 MEGAMOE_DEVICE float exp2_approx_ftz(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 
+// silu(gate) = gate * sigmoid(gate).
+// Exact: gate * (1 / (1 + expf(-gate))) with the accurate expf and an IEEE reciprocal, the formula of the
+// reference (torch.sigmoid = 1 / (1 + exp(-x))). Fast: gate / (1 + __expf(-gate)) with the MUFU exponential and
+// an approximate division (x * rcp.approx(y)); for gate <= -88 the denominator is inf and the result -0.
 template <bool kFastMath>
 MEGAMOE_DEVICE float silu(float gate) {
     // NOTES: __expf(-gate) is ex2.approx(-gate * log2(e)), the same multiply and MUFU as here for arguments >= -126
