@@ -47,6 +47,7 @@ struct FusedTraits {
     static constexpr uint32_t kNumL2NBlocks = L2::kNumNBlocks;  // H / 128: an L2 pool block's tiles
     static_assert(kNumL1NBlocks * epilogue::kL1OutputCols == kIntermediate, "each L1 tile yields 64 of I columns");
     static_assert(BLOCK_M <= layout::kMaxBlockM and layout::kNumPoolTokens % 4 == 0, "pool sized for BLOCK_M");
+    static_assert(layout::kNumPoolTokens / BLOCK_M < 0xffffu, "L1EpilogueState holds pool blocks in 16 bits");
 
     // Shared memory, in this order (offsets from the 1024 B aligned base):
     //   ring         A, B, SFA stages and the ring's barriers (SharedRingTraits)

@@ -8,6 +8,7 @@ compile: every catalog variant's register use (peak register index in the SASS; 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -238,6 +239,11 @@ def test_validate_rejects_bad_arguments() -> None:
     no_debug = ef.FfnOutputs(outputs.l2_acts, outputs.l2_acts_sf, outputs.out, outputs.l1_done_count, None)
     with pytest.raises(ValueError, match="l1_acc"):
         ef.validate(problem.config, problem.inputs, no_debug, None)
+    # The L1 epilogue holds pool blocks in 16 bits (a meta tensor: the bound is checked before any other)
+    huge = replace(problem.inputs, l1_acts=torch.empty((0xFFFF * 32, problem.config.hidden),
+                                                        dtype=torch.float8_e4m3fn, device="meta"))
+    with pytest.raises(ValueError, match="65535 blocks"):
+        ef.validate(problem.config, huge, outputs, None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -46,27 +46,49 @@ struct L1EpilogueArgs {
 };
 
 // Per math thread across L1 tiles: the staging buffer of the next tile (every thread) and, in the thread that
-// issues the stores, the pool block of its last stored tile, whose completion counter is not yet released (1 +
-// the block, 0 for none: one 32-bit register across the mainloop, where a counter pointer took two and spilled).
+// issues the stores, the pool blocks of its stored tiles whose completion counters are not yet released: up to
+// two, 1 + the block in each 16-bit half, 0 for none (one 32-bit register across the mainloop, where a counter
+// pointer took two and spilled).
+// NOTES: the release's fence is what costs: of the publish's ~2600 SM clocks per L1 tile at prefill (10% of the
+// tile, every math warp waiting at the epilogue's barrier) the bulk wait took ~170, the proxy fence ~60 and the
+// release (MEMBAR.ALL.GPU) ~2400, wherever in the tile it ran; run by an idle warp instead it slowed the call
+// (notes/fused.md). So two tiles share one fence.
 struct L1EpilogueState {
     uint32_t buffer = 0;
-    uint32_t pending_block = 0;
+    uint32_t pending = 0;  // low half: the newest unpublished tile's 1 + pool block; high half: the one before
 
-    // Store thread: wait for its stores, then release the counter they complete.
+    // Store thread, at the start of a tile's epilogue: with two tiles pending, release both; else only wait until
+    // the earlier stores have read their staging (the buffer this tile writes was last read two tiles ago).
+    MEGAMOE_DEVICE void before_stage(uint32_t* done_counts) {
+        if ((pending >> 16) != 0)
+            publish_pending(done_counts);
+        else
+            ptx::bulk_wait_group_read<0>();
+    }
+
+    // Store thread: wait for its stores, then release the counters they complete.
     // NOTES: bulk async-groups belong to the issuing thread, so only it can wait for them. wait_group 0 (not
     // .read) waits until the TMA writes of the activations and SFs are complete in global memory (DESIGN 5b);
-    // the proxy fence then orders those async-proxy writes before this thread's generic release, and the
-    // release.gpu is what the L2 producer's ld.acquire.gpu pairs with (it fences the async proxy again before
-    // its TMA loads). Called at the next L1 tile's epilogue, before any non-L1 work and at exit, so a counter
-    // is never held back while this CTA waits for it (the schedule's no-deadlock argument stays intact).
+    // the proxy fence then orders those async-proxy writes before this thread's generic accesses, and
+    // fence.acq_rel.gpu followed by the relaxed increments makes each increment a release (one fence for both),
+    // which the L2 producer's ld.acquire.gpu pairs with (it fences the async proxy again before its TMA loads).
+    // Called before any non-L1 work and at exit, so a counter is never held back while this CTA waits for one
+    // (L1 tiles wait for no counter: the schedule's no-deadlock argument stays intact).
     // done_counts: L1EpilogueArgs::done_counts.
     MEGAMOE_DEVICE void publish_pending(uint32_t* done_counts) {
-        if (pending_block != 0) {
+        if (pending != 0) {
             ptx::bulk_wait_group<0>();
             ptx::fence_proxy_async_global();
-            ptx::red_add_release<ptx::Scope::kGpu>(done_counts + pending_block - 1, 1);
-            pending_block = 0;
+            ptx::fence_acq_rel_gpu();
+            ptx::red_inc_relaxed_gpu_pair(done_counts, pending);
+            pending = 0;
         }
+    }
+
+    // Store thread, after issuing a tile's stores: at most one tile was pending (before_stage released two).
+    // Pool blocks < 65535: the callers check.
+    MEGAMOE_DEVICE void push(uint32_t pool_block) {
+        pending = (pending << 16) | (pool_block + 1);
     }
 };
 
@@ -144,10 +166,10 @@ MEGAMOE_DEVICE void l1_stage(const L1Quantized& q, const AccFragment& frag, uint
 // The whole L1 epilogue of one tile, called by every math thread (kNumMathThreads of them) with the same tile.
 // `is_store_thread`: one fixed math thread, the same for every tile.
 // NOTES: ordering, in the order it happens:
-// - staging buffer reuse: the store thread publishes (waits for) the previous tile's stores before arriving at
-//   this tile's barrier, and a thread writes buffer b again only two tiles later, after passing the barrier in
-//   between; so the stores that read b last have completed. Staging that aliases other shared memory (the L2
-//   staging) needs a barrier among the math threads before this call: see the assembler.
+// - staging buffer reuse: the store thread waits until the earlier tiles' stores have read their staging before
+//   arriving at this tile's barrier, and a thread writes buffer b again only two tiles later, after passing the
+//   barrier in between; so the stores that read b last are done with it. Staging that aliases other shared
+//   memory (the L2 staging) needs a barrier among the math threads before this call: see the assembler.
 // - st.shared of the tile and SFs -> fence.proxy.async.shared::cta by each writer -> named barrier among the
 //   math threads -> one thread issues the TMA store and the bulk store (DESIGN 5b).
 // - the SFs leave through the async proxy with the activations, in the same bulk group: no generic-proxy global
@@ -159,9 +181,9 @@ MEGAMOE_DEVICE void l1_epilogue(const float (&acc)[kNumAccum], const AccFragment
     using Staging = L1Staging<BLOCK_M>;
     static_assert(kNumMathThreads == (BLOCK_M == 128 ? 256 : 128), "one math warpgroup per 64 rows");
 
-    // The previous tile's stores had a whole mainloop to complete: release its counter, free its buffer
+    // The earlier tiles' stores had a whole mainloop to complete: free this tile's buffer, release two counters
     if (is_store_thread)
-        state.publish_pending(args.done_counts);
+        state.before_stage(args.done_counts);
 
     // Swiglu, scale, amax, quantize, stage (BLOCK_M = 32: warps 2 and 3 hold WGMMA rows 32..63, discarded)
     const L1Quantized quantized = l1_activate_quantize<kClamp, kFastMath>(acc, frag, tile, args);
@@ -177,7 +199,7 @@ MEGAMOE_DEVICE void l1_epilogue(const float (&acc)[kNumAccum], const AccFragment
         float* sf_dst = args.act_sf + static_cast<uint64_t>(tile.n_block_idx) * args.num_pool_rows + tile.pool_row;
         ptx::bulk_store_1d(sf_dst, buffer + Staging::kSfOffset, Staging::kSfBytes);
         ptx::bulk_commit_group();
-        state.pending_block = tile.pool_row / BLOCK_M + 1;
+        state.push(tile.pool_row / BLOCK_M);
     }
     state.buffer ^= 1;
 }

@@ -214,6 +214,8 @@ def validate(config: ExpertFfnConfig, inputs: FfnInputs, outputs: FfnOutputs,
     dev = inputs.l1_acts.device
     if p % config.block_m or p == 0:
         raise ValueError(f"the pool's row count must be a positive multiple of block_m={config.block_m}, got {p}")
+    if p // config.block_m >= 0xFFFF:  # epilogue/l1_epilogue.cuh: L1EpilogueState holds pool blocks in 16 bits
+        raise ValueError(f"the pool must have fewer than 65535 blocks of block_m={config.block_m} rows, got {p} rows")
     for name, t, dtype, shape in (
         ("l1_acts", inputs.l1_acts, torch.float8_e4m3fn, (p, h)),
         ("l1_acts_sf", inputs.l1_acts_sf, torch.float32, (h // 128, p)),
