@@ -379,6 +379,13 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
         if (next_task.valid())
             weight_scales = load_weight_scales(next_task);
     };
+    // After locate_next: whether the next task is not an L1 tile (the end of a run of L1 tiles)
+    const auto next_is_not_l1 = [&]() {
+        gemm::PipelineState<T::kNumTaskSlots> next = slot;
+        next.advance();
+        const QueuedTask next_task = ctx.tasks.peek(next.stage);
+        return not next_task.valid() or next_task.phase() != FusedPhase::kL1;
+    };
     for (; current().valid(); slot.advance()) {
         float acc[epilogue::kNumAccum];
         #pragma unroll
@@ -403,8 +410,10 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
                 l1_done_counts(), layout::kNumPoolTokens, ctx.p.clamp};
             const epilogue::EpilogueTile out_tile{task.pool_block_idx() * T::BLOCK_M, task.n_block_idx(),
                                                   task.num_valid_rows()};
-            epilogue::l1_epilogue<T::BLOCK_M, kNumMathThreads, kL1StoreBarrierIdx, T::kClamp, T::kFastMath>(
-                acc, frag, out_tile, staging, l1_args, is_store_thread, l1_state);
+            epilogue::l1_epilogue<T::BLOCK_M, kNumMathThreads, kL1StoreBarrierIdx, T::kClamp, T::kFastMath,
+                                  T::kBatchL1Releases ? T::kOffsetL1Releases - T::kOffsetStaging : 0>(
+                acc, frag, out_tile, staging, l1_args, is_store_thread, l1_state,
+                T::kBatchL1Releases and next_is_not_l1());
         } else {
             // Publish the last L1 tile before waiting for any L2 input (this CTA's L2 producer may need it)
             if (is_store_thread)

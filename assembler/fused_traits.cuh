@@ -65,7 +65,14 @@ struct FusedTraits {
     static constexpr uint32_t kOffsetStaging = align_up<uint32_t>(L2::kSmemBytes, 1024);
     static constexpr uint32_t kStagingBytes =
         L1Staging::kBytes > L2Staging::kBytes ? L1Staging::kBytes : L2Staging::kBytes;
-    static constexpr uint32_t kOffsetPull = align_up<uint32_t>(kOffsetStaging + kStagingBytes, 128);
+    // The L1 store thread's pending counters (epilogue/l1_epilogue.cuh: L1EpilogueState's batched form), right
+    // after the staging area (the epilogue addresses it from the staging pointer), at BLOCK_M 128 only. Same-call
+    // A/B on an H100 (cold, seeds 0 / 1 / 2): T 4096 7-13 us faster, T 1024 within 1-2 us; at the decode configs
+    // (BLOCK_M 32) T 8 and 128 2.5-4 us slower, the L2 tiles starting later (notes/fused.md).
+    static constexpr bool kBatchL1Releases = BLOCK_M == 128;
+    static constexpr uint32_t kOffsetL1Releases = kOffsetStaging + kStagingBytes;
+    static constexpr uint32_t kL1ReleasesBytes = kBatchL1Releases ? epilogue::L1EpilogueState::kListBytes : 0;
+    static constexpr uint32_t kOffsetPull = align_up<uint32_t>(kOffsetL1Releases + kL1ReleasesBytes, 128);
     static constexpr uint32_t kPullBytes = kNumDispatchWarps * kPullStages * dispatch::kPullStageBytes;
     static constexpr uint32_t kOffsetPullBarriers = kOffsetPull + kPullBytes;
     static constexpr uint32_t kOffsetExpertCount = kOffsetPullBarriers + kNumDispatchWarps * kPullStages * 8;

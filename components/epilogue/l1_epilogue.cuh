@@ -53,6 +53,23 @@ struct L1EpilogueArgs {
 // tile, every math warp waiting at the epilogue's barrier) the bulk wait took ~170, the proxy fence ~60 and the
 // release (MEMBAR.ALL.GPU) ~2400, wherever in the tile it ran; run by an idle warp instead it slowed the call
 // (notes/fused.md). So two tiles share one fence.
+// publish_batched's asm: the relaxed increments of the pair in `w` (1-based blocks, zero halves skipped), then
+// entry I of the list (at byte OFF) when it exists (I < n).
+#define MEGAMOE_L1_PAIR_RED                                   \
+    "and.b32 lo, w, 65535;\n"                                 \
+    "shr.u32 hi, w, 16;\n"                                    \
+    "setp.ne.u32 r, lo, 0;\n"                                 \
+    "mad.wide.u32 a, lo, 4, %1;\n"                            \
+    "@r red.relaxed.gpu.global.add.u32 [a+-4], 1;\n"          \
+    "setp.ne.u32 r, hi, 0;\n"                                 \
+    "mad.wide.u32 a, hi, 4, %1;\n"                            \
+    "@r red.relaxed.gpu.global.add.u32 [a+-4], 1;\n"
+#define MEGAMOE_L1_LIST_ENTRY(I, OFF)                         \
+    "setp.lt.u32 q, " #I ", n;\n"                             \
+    "mov.u32 w, 0;\n"                                         \
+    "@q ld.volatile.shared.u32 w, [%0+" #OFF "];\n"           \
+    MEGAMOE_L1_PAIR_RED
+
 struct L1EpilogueState {
     uint32_t buffer = 0;
     uint32_t pending = 0;  // low half: the newest unpublished tile's 1 + pool block; high half: the one before
@@ -89,6 +106,106 @@ struct L1EpilogueState {
     // Pool blocks < 65535: the callers check.
     MEGAMOE_DEVICE void push(uint32_t pool_block) {
         pending = (pending << 16) | (pool_block + 1);
+    }
+
+    // The batched form (the fused kernel). A pair of pending blocks moves from the register to a list in shared
+    // memory ([0] the number of pairs, then up to
+    // kListPairs pairs as `pending` packs them) when the second block is pushed, and publish_batched releases the
+    // list and the register with one fence before any non-L1 work; with the list full the pair stays in the
+    // register, which before_stage then releases as above.
+    // NOTES: with one wave nothing waits for an L1 counter before the CTAs that stored its tiles reach L2 work, so
+    // the fence runs about once per CTA and call, not once per two tiles. The stash runs after the tile's stores
+    // (the accumulators dead), predicated in one asm block: at the start of the epilogue any form of it made the
+    // fused kernel's math warps spill 40-356 B.
+    static constexpr uint32_t kListPairs = 32;
+    static constexpr uint32_t kListBytes = (1 + kListPairs) * 4;
+
+    // `list`: the list's shared-memory address, derived from a pointer the caller holds anyway (the staging
+    // area's): from the dynamic shared memory's symbol it took registers across the mainloop and spilled 40-200 B.
+
+    // One thread, before the first tile (a CTA barrier between)
+    MEGAMOE_DEVICE static void init_list(uint32_t list) {
+        asm volatile("st.volatile.shared.u32 [%0], 0;" ::"r"(list) : "memory");
+    }
+
+    MEGAMOE_DEVICE void push_batched(uint32_t list, uint32_t pool_block) {
+        asm volatile(
+            "{\n"
+            ".reg .pred p, q;\n"
+            ".reg .u32 n, addr, pair;\n"
+            "ld.volatile.shared.u32 n, [%1];\n"
+            "setp.ne.u32 p, %0, 0;\n"
+            "setp.lt.u32 q, n, %3;\n"
+            "and.pred p, p, q;\n"
+            "shl.b32 pair, %0, 16;\n"
+            "or.b32 pair, pair, %2;\n"
+            "add.u32 n, n, 1;\n"
+            "mad.lo.u32 addr, n, 4, %1;\n"
+            "@p st.volatile.shared.u32 [addr], pair;\n"
+            "@p st.volatile.shared.u32 [%1], n;\n"
+            "selp.u32 %0, 0, pair, p;\n"
+            "}\n"
+            : "+r"(pending)
+            : "r"(list), "r"(pool_block + 1), "n"(kListPairs)
+            : "memory");
+    }
+
+    // Store thread: release the list and the register with one fence (nothing when both are empty). Straight-line
+    // and predicated, one entry after the other (the same asm as a loop made the fused kernel's math warps spill
+    // 160-316 B).
+    MEGAMOE_DEVICE void publish_batched(uint32_t list, uint32_t* done_counts) {
+        static_assert(kListPairs == 32, "the entries below");
+        uint32_t num_pairs;
+        asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(num_pairs) : "r"(list) : "memory");
+        if ((pending | num_pairs) == 0)
+            return;
+        ptx::bulk_wait_group<0>();
+        ptx::fence_proxy_async_global();
+        ptx::fence_acq_rel_gpu();
+        asm volatile(
+            "{\n"
+            ".reg .pred q, r;\n"
+            ".reg .u32 n, w, lo, hi;\n"
+            ".reg .u64 a;\n"
+            "mov.u32 n, %3;\n"
+            "mov.u32 w, %2;\n"
+            MEGAMOE_L1_PAIR_RED
+            MEGAMOE_L1_LIST_ENTRY(0, 4)
+            MEGAMOE_L1_LIST_ENTRY(1, 8)
+            MEGAMOE_L1_LIST_ENTRY(2, 12)
+            MEGAMOE_L1_LIST_ENTRY(3, 16)
+            MEGAMOE_L1_LIST_ENTRY(4, 20)
+            MEGAMOE_L1_LIST_ENTRY(5, 24)
+            MEGAMOE_L1_LIST_ENTRY(6, 28)
+            MEGAMOE_L1_LIST_ENTRY(7, 32)
+            MEGAMOE_L1_LIST_ENTRY(8, 36)
+            MEGAMOE_L1_LIST_ENTRY(9, 40)
+            MEGAMOE_L1_LIST_ENTRY(10, 44)
+            MEGAMOE_L1_LIST_ENTRY(11, 48)
+            MEGAMOE_L1_LIST_ENTRY(12, 52)
+            MEGAMOE_L1_LIST_ENTRY(13, 56)
+            MEGAMOE_L1_LIST_ENTRY(14, 60)
+            MEGAMOE_L1_LIST_ENTRY(15, 64)
+            MEGAMOE_L1_LIST_ENTRY(16, 68)
+            MEGAMOE_L1_LIST_ENTRY(17, 72)
+            MEGAMOE_L1_LIST_ENTRY(18, 76)
+            MEGAMOE_L1_LIST_ENTRY(19, 80)
+            MEGAMOE_L1_LIST_ENTRY(20, 84)
+            MEGAMOE_L1_LIST_ENTRY(21, 88)
+            MEGAMOE_L1_LIST_ENTRY(22, 92)
+            MEGAMOE_L1_LIST_ENTRY(23, 96)
+            MEGAMOE_L1_LIST_ENTRY(24, 100)
+            MEGAMOE_L1_LIST_ENTRY(25, 104)
+            MEGAMOE_L1_LIST_ENTRY(26, 108)
+            MEGAMOE_L1_LIST_ENTRY(27, 112)
+            MEGAMOE_L1_LIST_ENTRY(28, 116)
+            MEGAMOE_L1_LIST_ENTRY(29, 120)
+            MEGAMOE_L1_LIST_ENTRY(30, 124)
+            MEGAMOE_L1_LIST_ENTRY(31, 128)
+            "st.volatile.shared.u32 [%0], 0;\n"
+            "}\n" ::"r"(list), "l"(done_counts), "r"(pending), "r"(num_pairs)
+            : "memory");
+        pending = 0;
     }
 };
 
@@ -174,10 +291,13 @@ MEGAMOE_DEVICE void l1_stage(const L1Quantized& q, const AccFragment& frag, uint
 //   math threads -> one thread issues the TMA store and the bulk store (DESIGN 5b).
 // - the SFs leave through the async proxy with the activations, in the same bulk group: no generic-proxy global
 //   store is published, so no writer-side fence.proxy.async.global per thread is needed.
-template <uint32_t BLOCK_M, uint32_t kNumMathThreads, uint32_t kBarrierIdx, bool kClamp, bool kFastMath>
+// kListAfterStaging: 0, a release per two tiles; else the batched form, its list that many bytes after `staging`
+// (L1EpilogueState), released with the tile when `last_of_run` (the next task is not an L1 tile).
+template <uint32_t BLOCK_M, uint32_t kNumMathThreads, uint32_t kBarrierIdx, bool kClamp, bool kFastMath,
+          uint32_t kListAfterStaging = 0>
 MEGAMOE_DEVICE void l1_epilogue(const float (&acc)[kNumAccum], const AccFragment& frag, const EpilogueTile& tile,
                                 uint8_t* staging, const L1EpilogueArgs& args, bool is_store_thread,
-                                L1EpilogueState& state) {
+                                L1EpilogueState& state, bool last_of_run = false) {
     using Staging = L1Staging<BLOCK_M>;
     static_assert(kNumMathThreads == (BLOCK_M == 128 ? 256 : 128), "one math warpgroup per 64 rows");
 
@@ -199,7 +319,16 @@ MEGAMOE_DEVICE void l1_epilogue(const float (&acc)[kNumAccum], const AccFragment
         float* sf_dst = args.act_sf + static_cast<uint64_t>(tile.n_block_idx) * args.num_pool_rows + tile.pool_row;
         ptx::bulk_store_1d(sf_dst, buffer + Staging::kSfOffset, Staging::kSfBytes);
         ptx::bulk_commit_group();
-        state.push(tile.pool_row / BLOCK_M);
+        if constexpr (kListAfterStaging == 0)
+            state.push(tile.pool_row / BLOCK_M);
+        else
+        {
+            // The last L1 tile before non-L1 work releases every pending counter, this tile's included (its stores
+            // complete first): here, after the stores, the batch's code compiles without spills
+            state.push_batched(smem_addr(staging) + kListAfterStaging, tile.pool_row / BLOCK_M);
+            if (last_of_run)
+                state.publish_batched(smem_addr(staging) + kListAfterStaging, args.done_counts);
+        }
     }
     state.buffer ^= 1;
 }

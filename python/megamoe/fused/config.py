@@ -20,6 +20,9 @@ NUM_TASK_SLOTS = 4  # assembler/task_queue.cuh: FusedTraits::kNumTaskSlots
 TASK_QUEUE_BYTES = NUM_TASK_SLOTS * 16 + 2 * NUM_TASK_SLOTS * MBARRIER_BYTES
 NUM_L2_TASK_SLOTS = NUM_TASK_SLOTS + 4  # FusedTraits::kNumL2TaskSlots: the scatter warp's queue of L2 tasks
 L2_TASK_QUEUE_BYTES = NUM_L2_TASK_SLOTS * 16 + 2 * NUM_L2_TASK_SLOTS * MBARRIER_BYTES
+# The L1 store thread's pending counters at BLOCK_M 128 (fused_traits.cuh: kL1ReleasesBytes; epilogue/l1_epilogue.cuh:
+# L1EpilogueState::kListBytes, a count and 32 pairs)
+L1_RELEASES_BYTES = (1 + 32) * 4
 
 
 def pull_stage_bytes(hidden: int) -> int:
@@ -89,8 +92,13 @@ class FusedConfig:
         return align(self.ring_bytes, 1024)
 
     @property
+    def l1_releases_offset(self) -> int:
+        """The L1 store thread's pending counters, right after the staging area."""
+        return self.staging_offset + self.staging_bytes
+
+    @property
     def pull_offset(self) -> int:
-        return align(self.staging_offset + self.staging_bytes, 128)
+        return align(self.l1_releases_offset + (L1_RELEASES_BYTES if self.block_m == 128 else 0), 128)
 
     @property
     def pull_barriers_offset(self) -> int:
