@@ -45,14 +45,6 @@ struct L1EpilogueArgs {
     float clamp;                       // activation clamp (read only when compiled with it)
 };
 
-// Per math thread across L1 tiles: the staging buffer of the next tile (every thread) and, in the thread that
-// issues the stores, the pool blocks of its stored tiles whose completion counters are not yet released: up to
-// two, 1 + the block in each 16-bit half, 0 for none (one 32-bit register across the mainloop, where a counter
-// pointer took two and spilled).
-// NOTES: the release's fence is what costs: of the publish's ~2600 SM clocks per L1 tile at prefill (10% of the
-// tile, every math warp waiting at the epilogue's barrier) the bulk wait took ~170, the proxy fence ~60 and the
-// release (MEMBAR.ALL.GPU) ~2400, wherever in the tile it ran; run by an idle warp instead it slowed the call
-// (notes/fused.md). So two tiles share one fence.
 // publish_batched's asm: the relaxed increments of the pair in `w` (1-based blocks, zero halves skipped), then
 // entry I of the list (at byte OFF) when it exists (I < n).
 #define MEGAMOE_L1_PAIR_RED                                   \
@@ -70,6 +62,14 @@ struct L1EpilogueArgs {
     "@q ld.volatile.shared.u32 w, [%0+" #OFF "];\n"           \
     MEGAMOE_L1_PAIR_RED
 
+// Per math thread across L1 tiles: the staging buffer of the next tile (every thread) and, in the thread that
+// issues the stores, the pool blocks of its stored tiles whose completion counters are not yet released: up to
+// two, 1 + the block in each 16-bit half, 0 for none (one 32-bit register across the mainloop, where a counter
+// pointer took two and spilled).
+// NOTES: the release's fence is what costs: of the publish's ~2600 SM clocks per L1 tile at prefill (10% of the
+// tile, every math warp waiting at the epilogue's barrier) the bulk wait took ~170, the proxy fence ~60 and the
+// release (MEMBAR.ALL.GPU) ~2400, wherever in the tile it ran; run by an idle warp instead it slowed the call
+// (notes/fused.md). So two tiles share one fence.
 struct L1EpilogueState {
     uint32_t buffer = 0;
     uint32_t pending = 0;  // low half: the newest unpublished tile's 1 + pool block; high half: the one before
@@ -108,15 +108,15 @@ struct L1EpilogueState {
         pending = (pending << 16) | (pool_block + 1);
     }
 
-    // The batched form (the fused kernel). A pair of pending blocks moves from the register to a list in shared
-    // memory ([0] the number of pairs, then up to
-    // kListPairs pairs as `pending` packs them) when the second block is pushed, and publish_batched releases the
-    // list and the register with one fence before any non-L1 work; with the list full the pair stays in the
-    // register, which before_stage then releases as above.
+    // The batched form (the fused kernel at BLOCK_M 128). A pair of pending blocks moves from the register to a
+    // list in shared memory ([0] the number of pairs, then up to kListPairs pairs as `pending` packs them) when its
+    // second block is pushed, and the run's last L1 tile releases the list and the register with one fence
+    // (publish_batched); with the list full the pair stays in the register, which before_stage then releases.
     // NOTES: with one wave nothing waits for an L1 counter before the CTAs that stored its tiles reach L2 work, so
-    // the fence runs about once per CTA and call, not once per two tiles. The stash runs after the tile's stores
-    // (the accumulators dead), predicated in one asm block: at the start of the epilogue any form of it made the
-    // fused kernel's math warps spill 40-356 B.
+    // the fence runs about once per CTA and call, not once per two tiles: T 4096 7-13 us faster on an H100. At the
+    // decode configs the L2 tiles then start later (T 8 / 128 2.5-4 us slower): they keep the per-pair release.
+    // The stash runs after the tile's stores (the accumulators dead), predicated in one asm block: at the start of
+    // the epilogue any form of it made the fused kernel's math warps spill 40-356 B.
     static constexpr uint32_t kListPairs = 32;
     static constexpr uint32_t kListBytes = (1 + kListPairs) * 4;
 
