@@ -209,6 +209,9 @@ struct L1EpilogueState {
     }
 };
 
+#undef MEGAMOE_L1_LIST_ENTRY
+#undef MEGAMOE_L1_PAIR_RED
+
 // Quantized halves of one thread: packed[h][c] holds the e4m3 codes of row r + 8 h at output columns
 // 8 (2 c) + 2 q + {0, 1} (bytes 0, 1) and 8 (2 c + 1) + 2 q + {0, 1} (bytes 2, 3); sf[h] is that row's SF.
 struct L1Quantized {
@@ -319,15 +322,15 @@ MEGAMOE_DEVICE void l1_epilogue(const float (&acc)[kNumAccum], const AccFragment
         float* sf_dst = args.act_sf + static_cast<uint64_t>(tile.n_block_idx) * args.num_pool_rows + tile.pool_row;
         ptx::bulk_store_1d(sf_dst, buffer + Staging::kSfOffset, Staging::kSfBytes);
         ptx::bulk_commit_group();
-        if constexpr (kListAfterStaging == 0)
+        if constexpr (kListAfterStaging == 0) {
             state.push(tile.pool_row / BLOCK_M);
-        else
-        {
+        } else {
             // The last L1 tile before non-L1 work releases every pending counter, this tile's included (its stores
             // complete first): here, after the stores, the batch's code compiles without spills
-            state.push_batched(smem_addr(staging) + kListAfterStaging, tile.pool_row / BLOCK_M);
+            const uint32_t list = smem_addr(staging) + kListAfterStaging;
+            state.push_batched(list, tile.pool_row / BLOCK_M);
             if (last_of_run)
-                state.publish_batched(smem_addr(staging) + kListAfterStaging, args.done_counts);
+                state.publish_batched(list, args.done_counts);
         }
     }
     state.buffer ^= 1;
