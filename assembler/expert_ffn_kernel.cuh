@@ -214,8 +214,10 @@ MEGAMOE_DEVICE void expert_ffn_impl(const ExpertFfnMaps& maps, const ExpertFfnPa
                     ptx::named_barrier_sync<kStagingFreeBarrierIdx, kNumMathThreads>();
                 }
                 staging_held_by_l2 = false;
+                epilogue::L1EpilogueArgs tile_args = l1_args;  // (the tile's row weights)
+                tile_args.topk_weights += out_tile.pool_row;
                 epilogue::l1_epilogue<T::BLOCK_M, kNumMathThreads, kL1StoreBarrierIdx, T::kClamp, T::kFastMath>(
-                    acc, frag, out_tile, staging, l1_args, is_store_thread, l1_state);
+                    acc, frag, out_tile, staging, tile_args, is_store_thread, l1_state);
             } else {
                 // Publish the last L1 tile before waiting for any L2 input (this CTA's L2 producer may need it)
                 if (is_store_thread)

@@ -41,6 +41,7 @@ MEGAMOE_DEVICE void fused_head(const FusedContext<T>& ctx) {
         ctx.pipeline.init(2, T::kNumMathWarps);
         ctx.tasks.init(T::kNumMathThreads + 1);  // every math thread and the TMA-B warp's lane pop
         ctx.l2_tasks.init(32);                   // every lane of the scatter warp pops
+        ctx.tile_weights.init();
         if constexpr (T::kBatchL1Releases)
             epilogue::L1EpilogueState::init_list(smem_addr(ctx.smem + T::kOffsetL1Releases));
         for (uint32_t i = 0; i < kNumDispatchWarps * T::kPullStages; ++ i)

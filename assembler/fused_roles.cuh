@@ -57,6 +57,7 @@ struct FusedContext {
     TableCounts<T::kOffsetRecvTable> counts;
     typename T::Tasks tasks;
     typename T::L2Tasks l2_tasks;
+    typename T::RowWeights tile_weights;
     using Handoff = L2Handoff<T::kNumMathThreads, kL2StagedBarrierIdx, kL2FreeBarrierIdx>;
 
     MEGAMOE_DEVICE FusedContext(const FusedMaps& maps_, const SymBuffer& sym_, const FusedParams& p_,
@@ -67,7 +68,8 @@ struct FusedContext {
           expert_count(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetExpertCount)),
           misc(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetMisc)),
           table(dispatch::make_recv_table(reinterpret_cast<uint32_t*>(smem_ + T::kOffsetRecvTable))),
-          counts{}, tasks{smem_ + T::kOffsetTaskQueue}, l2_tasks{smem_ + T::kOffsetL2TaskQueue} {}
+          counts{}, tasks{smem_ + T::kOffsetTaskQueue}, l2_tasks{smem_ + T::kOffsetL2TaskQueue},
+          tile_weights{smem_ + T::kOffsetTileWeights} {}
 
     // After the head: this CTA's index and the grid size, from shared memory (utils.cuh: ld_volatile_shared)
     MEGAMOE_DEVICE uint32_t cta_idx() const { return ld_volatile_shared(misc + 1); }
@@ -132,7 +134,7 @@ struct TaskClaims {
 
 // TMA-A warp (lane 0 issues): claims tasks and walks the scheduler to them, pushes each task to the queue (before
 // any wait on its inputs: task_queue.cuh) and each L2 task to the scatter warp's queue, then loads the activation
-// tiles once their pool block is ready.
+// tiles (and an L1 task's row weights) once their pool block is ready.
 template <typename T>
 MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
     if (lane_idx() != 0)
@@ -148,9 +150,12 @@ MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
     bool waited_all = false;
     for (uint32_t task_count = 0, task_idx = ctx.cta_idx(); scheduler.seek(task_idx, task);
          ++ task_count, task_idx = claims.next()) {
+        const uint32_t slot_idx = queue_state.stage;
         ctx.tasks.push(tiered_env(ctx.env, kTierPipeline, kRoleProducer), queue_state, pack_task(task));
-        if (task.phase == FusedPhase::kL2)
+        if (task.phase == FusedPhase::kL2) {
+            ctx.tile_weights.skip(slot_idx);
             ctx.l2_tasks.push(tiered_env(ctx.env, kTierPipeline, kRoleProducer), l2_queue_state, pack_task(task));
+        }
         const uint32_t pool_row = task.pool_block_idx * T::BLOCK_M;
         if (ctx.p.task_dump != nullptr)
             dump_task(ctx.p, ctx.cta_idx(), task_count, task);
@@ -162,6 +167,7 @@ MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
             wait_pool_counter(tiered_env(ctx.env, kTierArrival, kRoleProducer), "l1_arrival",
                               ctx.pool_counter(layout::kL1ArrivalCountOffset, task.pool_block_idx),
                               task.num_valid_rows, task.pool_block_idx);
+            ctx.tile_weights.load(slot_idx, dispatch::pool_topk_weight(ctx.sym, pool_row));
             PhaseTimer{ctx.p.phase_times}.mark(kMarkL1Start, 0);
             gemm::produce_a_tile<typename T::L1>(ctx.pipeline, state, ctx.smem_l1, ctx.maps.l1_a, ctx.maps.l1_sfa,
                                                  pool_row, tiered_env(ctx.env, kTierPipeline, kRoleProducer));
@@ -403,9 +409,11 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
                 Handoff::wait_free();
             staging_held_by_l2 = false;
             const QueuedTask task = current();
-            // (built here from kernel constants: held across the mainloop, its pointers cost registers there)
+            // (built here from kernel constants: held across the mainloop, its pointers cost registers there; the
+            // row weights from the task's slot, copied there by the TMA-A warp)
+            ctx.tile_weights.wait(tiered_env(ctx.env, kTierPipeline, kRoleMath), slot.stage, slot.phase);
             const epilogue::L1EpilogueArgs l1_args{
-                ctx.maps.act_store, dispatch::pool_topk_weight(ctx.sym, 0),
+                ctx.maps.act_store, ctx.tile_weights.weights(slot.stage),
                 ctx.sym.template local<float>(layout::kL2ActsSfOffset),
                 l1_done_counts(), layout::kNumPoolTokens, ctx.p.clamp};
             const epilogue::EpilogueTile out_tile{task.pool_block_idx() * T::BLOCK_M, task.n_block_idx(),

@@ -60,6 +60,7 @@ struct FusedTraits {
     //                the role split stays live in registers across it), the CTA index and the grid size
     //   task_queue   task_queue.cuh: kNumTaskSlots tasks from the TMA-A warp to the TMA-B and math warps
     //   l2_queue     kNumL2TaskSlots of the CTA's claimed L2 tasks from the TMA-A warp to the scatter warp
+    //   tile_weights task_queue.cuh: the top-k weights of each task slot's rows, 16 aligned
     using L1Staging = epilogue::L1Staging<BLOCK_M>;
     using L2Staging = epilogue::L2Staging<BLOCK_M>;
     static constexpr uint32_t kOffsetStaging = align_up<uint32_t>(L2::kSmemBytes, 1024);
@@ -89,7 +90,9 @@ struct FusedTraits {
     static constexpr uint32_t kNumL2TaskSlots = kNumTaskSlots + 4;
     using L2Tasks = TaskQueue<kNumL2TaskSlots>;
     static constexpr uint32_t kOffsetL2TaskQueue = kOffsetTaskQueue + Tasks::kBytes;
-    static constexpr uint32_t kSmemBytes = kOffsetL2TaskQueue + L2Tasks::kBytes;
+    using RowWeights = TileWeights<kNumTaskSlots, BLOCK_M>;
+    static constexpr uint32_t kOffsetTileWeights = align_up<uint32_t>(kOffsetL2TaskQueue + L2Tasks::kBytes, 16);
+    static constexpr uint32_t kSmemBytes = kOffsetTileWeights + RowWeights::kBytes;
     static_assert(kSmemBytes <= kSmemLimit, "shared memory over the SM90 per-block limit");
     static_assert(kPullStages >= 1 and kPullStages <= 8, "1..8 rows in flight per dispatch warp");
 };

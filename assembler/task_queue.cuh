@@ -4,6 +4,7 @@
 #pragma once
 
 #include "common/mbarrier.cuh"
+#include "common/tma.cuh"
 #include "fused_scheduler.cuh"
 #include "gemm/pipeline.cuh"
 
@@ -96,6 +97,48 @@ struct TaskQueue {
     // One arrival per popping thread, after its last read of the slot.
     MEGAMOE_DEVICE void release(uint32_t stage) const {
         ptx::mbarrier_arrive_if_at(smem_addr(empty_barriers() + stage), true);
+    }
+};
+
+// The top-k weights of each queued L1 task's rows, bulk-copied by the TMA-A warp into its slot's area once the
+// task's pool block has arrived, so that the L1 epilogue reads them from shared memory: loaded from global memory
+// there, their latency was exposed in every L1 tile (same-call A/B on an H100, cold: T 4096 7-14 us faster, T 1024
+// 2-5 us, T 128 unchanged; notes/fused.md). One barrier per slot with one arrival per queued task (an L1 task's
+// with the copy's bytes), so that its phase follows the slot's.
+// NOTES: the TMA-A warp's ld.acquire of the pool block's arrival count and its fence.proxy.async.global come
+// before the copy (the pull fenced the weights' generic stores for the async proxy before its release); the math
+// threads read the area only after the slot's barrier phase completed and release the slot after their reads, and
+// the TMA-A warp copies into a slot only after pushing a task into it, which waits for that release.
+template <uint32_t kNumSlots, uint32_t BLOCK_M>
+struct TileWeights {
+    static constexpr uint32_t kSlotBytes = BLOCK_M * 4;
+    static constexpr uint32_t kBytes = kNumSlots * kSlotBytes + kNumSlots * 8;
+    static_assert(kSlotBytes % 16 == 0, "bulk copies move multiples of 16 B");
+
+    uint8_t* base;  // kNumSlots x BLOCK_M floats, then kNumSlots barriers (16 B aligned)
+
+    MEGAMOE_DEVICE float* weights(uint32_t slot) const { return reinterpret_cast<float*>(base + slot * kSlotBytes); }
+    MEGAMOE_DEVICE uint64_t* barriers() const { return reinterpret_cast<uint64_t*>(base + kNumSlots * kSlotBytes); }
+
+    // One thread; fence_mbarrier_init + a CTA barrier must follow before use.
+    MEGAMOE_DEVICE void init() const {
+        #pragma unroll
+        for (uint32_t i = 0; i < kNumSlots; ++ i)
+            ptx::mbarrier_init(barriers() + i, 1);
+    }
+    // The TMA-A warp's lane, for the L1 task it pushed into `slot`, once its pool block has arrived: the weights of
+    // rows [pool_row, pool_row + BLOCK_M) (16 B aligned: pool_row is a multiple of BLOCK_M).
+    MEGAMOE_DEVICE void load(uint32_t slot, const float* src) const {
+        ptx::mbarrier_arrive_expect_tx(barriers() + slot, kSlotBytes);
+        ptx::bulk_load_1d(weights(slot), src, kSlotBytes, barriers() + slot);
+    }
+    // The TMA-A warp's lane, for any other task it pushed into `slot`.
+    MEGAMOE_DEVICE void skip(uint32_t slot) const {
+        ptx::mbarrier_arrive_if_at(smem_addr(barriers() + slot), true);
+    }
+    // Math threads, for the L1 task in `slot` (phase: the slot's).
+    MEGAMOE_DEVICE void wait(const DeviceEnv& env, uint32_t slot, uint32_t phase) const {
+        ptx::mbarrier_wait<false, ReportSite::kInline>(env, "tile_weights", barriers() + slot, phase);
     }
 };
 

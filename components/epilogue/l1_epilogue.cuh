@@ -38,7 +38,7 @@ struct L1Staging {
 // Everything the L1 epilogue reads or writes besides the accumulator.
 struct L1EpilogueArgs {
     const CUtensorMap* act_store_map;  // L2 activations [P, I] e4m3, box {64 columns, BLOCK_M rows}, no swizzle
-    const float* topk_weights;         // [P]: the pool's l1_topk_weights
+    const float* topk_weights;         // [BLOCK_M]: the tile's rows' top-k weights (global or shared memory)
     float* act_sf;                     // [I / 64][P] MN-major L2 activation SF (P a multiple of 4)
     uint32_t* done_counts;             // [pool blocks]: finished L1 N blocks of each pool block
     uint32_t num_pool_rows;            // P, the row pitch of act_sf
@@ -224,13 +224,14 @@ struct L1Quantized {
 template <bool kClamp, bool kFastMath>
 MEGAMOE_DEVICE L1Quantized l1_activate_quantize(const float (&acc)[kNumAccum], const AccFragment& frag,
                                                 const EpilogueTile& tile, const L1EpilogueArgs& args) {
-    // Top-k weights: a plain load (in the fused kernel dispatch writes them during the same launch: no .nc path)
+    // Top-k weights: a plain load (global memory in the expert-FFN kernel; in the fused kernel shared memory, where
+    // the TMA-A warp copied them: dispatch writes them during the same launch, so never the .nc path)
     float weight[2];
     bool valid[2];
     #pragma unroll
     for (uint32_t h = 0; h < 2; ++ h) {
         valid[h] = frag.row + 8 * h < tile.num_valid_rows;
-        weight[h] = valid[h] ? args.topk_weights[tile.pool_row + frag.row + 8 * h] : 0.0f;
+        weight[h] = valid[h] ? args.topk_weights[frag.row + 8 * h] : 0.0f;
     }
 
     L1Quantized out;

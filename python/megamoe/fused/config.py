@@ -20,6 +20,12 @@ NUM_TASK_SLOTS = 4  # assembler/task_queue.cuh: FusedTraits::kNumTaskSlots
 TASK_QUEUE_BYTES = NUM_TASK_SLOTS * 16 + 2 * NUM_TASK_SLOTS * MBARRIER_BYTES
 NUM_L2_TASK_SLOTS = NUM_TASK_SLOTS + 4  # FusedTraits::kNumL2TaskSlots: the scatter warp's queue of L2 tasks
 L2_TASK_QUEUE_BYTES = NUM_L2_TASK_SLOTS * 16 + 2 * NUM_L2_TASK_SLOTS * MBARRIER_BYTES
+
+
+def tile_weights_bytes(block_m: int) -> int:
+    """assembler/task_queue.cuh TileWeights::kBytes: each task slot's row weights (fp32), then its barrier."""
+    return NUM_TASK_SLOTS * (block_m * 4 + MBARRIER_BYTES)
+
 # The L1 store thread's pending counters at BLOCK_M 128 (fused_traits.cuh: kL1ReleasesBytes; epilogue/l1_epilogue.cuh:
 # L1EpilogueState::kListBytes, a count and 32 pairs)
 L1_RELEASES_BYTES = (1 + 32) * 4
@@ -126,8 +132,12 @@ class FusedConfig:
         return self.task_queue_offset + TASK_QUEUE_BYTES
 
     @property
+    def tile_weights_offset(self) -> int:
+        return align(self.l2_task_queue_offset + L2_TASK_QUEUE_BYTES, 16)
+
+    @property
     def smem_bytes(self) -> int:
-        return self.l2_task_queue_offset + L2_TASK_QUEUE_BYTES
+        return self.tile_weights_offset + tile_weights_bytes(self.block_m)
 
     @property
     def name(self) -> str:

@@ -29,6 +29,7 @@ static_assert(Traits::kOffsetRecvTable == {config.recv_table_offset}u, "host and
 static_assert(Traits::kOffsetTaskQueue == {config.task_queue_offset}u, "host and device disagree on the task queue");
 static_assert(Traits::kOffsetL2TaskQueue == {config.l2_task_queue_offset}u,
               "host and device disagree on the L2 task queue");
+static_assert(Traits::kOffsetTileWeights == {config.tile_weights_offset}u, "host and device disagree on the tile weights");
 static_assert(Traits::kOffsetL1Releases == {config.l1_releases_offset}u, "host and device disagree on the L1 releases");
 static_assert(megamoe::dispatch::kPullStageBytes == {pull_stage_bytes(config.layout.hidden)}u,
               "host and device disagree on the pull stage");
