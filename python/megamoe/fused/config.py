@@ -71,7 +71,8 @@ class FusedConfig:
                              f"(limit {SMEM_CAPACITY_BYTES}, at least {MIN_NUM_STAGES} stages)")
 
     # Shared-memory plan (FusedTraits):
-    # [ring][staging][pull][pull barriers][expert count][receive table][misc][task queue][L2 task queue]
+    # [ring][staging][L1 releases][pull][pull barriers][expert count][receive table][misc][task queue]
+    # [L2 task queue][tile weights]
     @property
     def stage_bytes(self) -> int:
         """One GEMM stage: A (64 rows at least), B, SFA sized for L2's two per-64 SFs, its two barriers."""
