@@ -22,13 +22,14 @@ NUM_L2_TASK_SLOTS = NUM_TASK_SLOTS + 4  # FusedTraits::kNumL2TaskSlots: the scat
 L2_TASK_QUEUE_BYTES = NUM_L2_TASK_SLOTS * 16 + 2 * NUM_L2_TASK_SLOTS * MBARRIER_BYTES
 
 
-def tile_weights_bytes(block_m: int) -> int:
-    """assembler/task_queue.cuh TileWeights::kBytes: each task slot's row weights (fp32), then its barrier."""
-    return NUM_TASK_SLOTS * (block_m * 4 + MBARRIER_BYTES)
-
 # The L1 store thread's pending counters at BLOCK_M 128 (fused_traits.cuh: kL1ReleasesBytes; epilogue/l1_epilogue.cuh:
 # L1EpilogueState::kListBytes, a count and 32 pairs)
 L1_RELEASES_BYTES = (1 + 32) * 4
+
+
+def tile_weights_bytes(block_m: int) -> int:
+    """assembler/task_queue.cuh TileWeights::kBytes: each task slot's row weights (fp32), then its barrier."""
+    return NUM_TASK_SLOTS * (block_m * 4 + MBARRIER_BYTES)
 
 
 def pull_stage_bytes(hidden: int) -> int:
@@ -104,8 +105,14 @@ class FusedConfig:
         return self.staging_offset + self.staging_bytes
 
     @property
+    def l1_releases_bytes(self) -> int:
+        """FusedTraits::kL1ReleasesBytes: the list exists only where the L1 counters are released per run
+        (kBatchL1Releases, BLOCK_M 128)."""
+        return L1_RELEASES_BYTES if self.block_m == 128 else 0
+
+    @property
     def pull_offset(self) -> int:
-        return align(self.l1_releases_offset + (L1_RELEASES_BYTES if self.block_m == 128 else 0), 128)
+        return align(self.l1_releases_offset + self.l1_releases_bytes, 128)
 
     @property
     def pull_barriers_offset(self) -> int:
