@@ -56,6 +56,12 @@ MEGAMOE_DEVICE uint4 ld_volatile_shared_v4(uint32_t addr) {
     return v;
 }
 
+// Bring the line holding `ptr` into this SM's L1 (a hint: no register waits for it). Only for data no other
+// thread of the same launch writes (a later weak load could then hit a stale line).
+MEGAMOE_DEVICE void prefetch_global_l1(const void* ptr) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(ptr));
+}
+
 MEGAMOE_DEVICE uint32_t smem_addr(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
