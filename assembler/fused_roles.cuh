@@ -376,20 +376,21 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
     wait_slot(slot);
     if (current().valid())
         weight_scales = load_weight_scales(current());
-    // Wait for the next task and load its weight SFs (hidden behind this task's epilogue)
-    const auto locate_next = [&]() {
+    const auto next_slot = [&]() {
         gemm::PipelineState<T::kNumTaskSlots> next = slot;
         next.advance();
-        wait_slot(next);
-        const QueuedTask next_task = ctx.tasks.peek(next.stage);
+        return next;
+    };
+    // Wait for the next task and load its weight SFs (hidden behind this task's epilogue)
+    const auto locate_next = [&]() {
+        wait_slot(next_slot());
+        const QueuedTask next_task = ctx.tasks.peek(next_slot().stage);
         if (next_task.valid())
             weight_scales = load_weight_scales(next_task);
     };
     // After locate_next: whether the next task is not an L1 tile (the end of a run of L1 tiles)
     const auto next_is_not_l1 = [&]() {
-        gemm::PipelineState<T::kNumTaskSlots> next = slot;
-        next.advance();
-        const QueuedTask next_task = ctx.tasks.peek(next.stage);
+        const QueuedTask next_task = ctx.tasks.peek(next_slot().stage);
         return not next_task.valid() or next_task.phase() != FusedPhase::kL1;
     };
     for (; current().valid(); slot.advance()) {

@@ -65,19 +65,25 @@ MEGAMOE_DEVICE void red_add_relaxed(uint32_t* ptr, uint32_t value) {
         asm volatile("red.relaxed.sys.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
 }
 
-// Relaxed gpu-scope increments by one of base[lo - 1] and, when hi != 0, of base[hi - 1], where
-// packed = lo | hi << 16 (two 1-based 16-bit indices; lo != 0). One asm block: written as C++ branches or a loop,
-// the second increment made the fused kernel's math warpgroups spill 96-140 B.
+// PTX text: relaxed gpu-scope increments by one of BASE[lo - 1] and BASE[hi - 1] for the nonzero 16-bit halves of
+// the .u32 register W (two 1-based indices, 0 for none; BASE a .u64 operand). The enclosing asm block declares
+// `.reg .pred r; .reg .u32 lo, hi; .reg .u64 a;`.
+#define MEGAMOE_PTX_RED_INC_PAIR(W, BASE)                         \
+    "and.b32 lo, " W ", 65535;\n"                                \
+    "shr.u32 hi, " W ", 16;\n"                                   \
+    "setp.ne.u32 r, lo, 0;\n"                                    \
+    "mad.wide.u32 a, lo, 4, " BASE ";\n"                         \
+    "@r red.relaxed.gpu.global.add.u32 [a+-4], 1;\n"             \
+    "setp.ne.u32 r, hi, 0;\n"                                    \
+    "mad.wide.u32 a, hi, 4, " BASE ";\n"                         \
+    "@r red.relaxed.gpu.global.add.u32 [a+-4], 1;\n"
+
+// MEGAMOE_PTX_RED_INC_PAIR for packed = lo | hi << 16. One asm block: written as C++ branches or a loop, the
+// second increment made the fused kernel's math warpgroups spill 96-140 B.
 MEGAMOE_DEVICE void red_inc_relaxed_gpu_pair(uint32_t* base, uint32_t packed) {
     asm volatile("{\n"
-                 ".reg .pred p;\n.reg .u32 lo, hi;\n.reg .u64 a, b;\n"
-                 "and.b32 lo, %1, 65535;\n"
-                 "shr.u32 hi, %1, 16;\n"
-                 "mad.wide.u32 a, lo, 4, %0;\n"
-                 "red.relaxed.gpu.global.add.u32 [a+-4], 1;\n"
-                 "setp.ne.u32 p, hi, 0;\n"
-                 "mad.wide.u32 b, hi, 4, %0;\n"
-                 "@p red.relaxed.gpu.global.add.u32 [b+-4], 1;\n"
+                 ".reg .pred r;\n.reg .u32 lo, hi;\n.reg .u64 a;\n"
+                 MEGAMOE_PTX_RED_INC_PAIR("%1", "%0")
                  "}" ::"l"(base), "r"(packed) : "memory");
 }
 

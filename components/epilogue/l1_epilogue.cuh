@@ -45,22 +45,13 @@ struct L1EpilogueArgs {
     float clamp;                       // activation clamp (read only when compiled with it)
 };
 
-// publish_batched's asm: the relaxed increments of the pair in `w` (1-based blocks, zero halves skipped), then
-// entry I of the list (at byte OFF) when it exists (I < n).
-#define MEGAMOE_L1_PAIR_RED                                   \
-    "and.b32 lo, w, 65535;\n"                                 \
-    "shr.u32 hi, w, 16;\n"                                    \
-    "setp.ne.u32 r, lo, 0;\n"                                 \
-    "mad.wide.u32 a, lo, 4, %1;\n"                            \
-    "@r red.relaxed.gpu.global.add.u32 [a+-4], 1;\n"          \
-    "setp.ne.u32 r, hi, 0;\n"                                 \
-    "mad.wide.u32 a, hi, 4, %1;\n"                            \
-    "@r red.relaxed.gpu.global.add.u32 [a+-4], 1;\n"
+// publish_batched's asm: entry I of the list (at byte OFF), when it exists (I < n), loaded into `w`, then the
+// relaxed increments of its pair (common/atomics.cuh: MEGAMOE_PTX_RED_INC_PAIR).
 #define MEGAMOE_L1_LIST_ENTRY(I, OFF)                         \
     "setp.lt.u32 q, " #I ", n;\n"                             \
     "mov.u32 w, 0;\n"                                         \
     "@q ld.volatile.shared.u32 w, [%0+" #OFF "];\n"           \
-    MEGAMOE_L1_PAIR_RED
+    MEGAMOE_PTX_RED_INC_PAIR("w", "%1")
 
 // Per math thread across L1 tiles: the staging buffer of the next tile (every thread) and, in the thread that
 // issues the stores, the pool blocks of its stored tiles whose completion counters are not yet released: up to
@@ -169,7 +160,7 @@ struct L1EpilogueState {
             ".reg .u64 a;\n"
             "mov.u32 n, %3;\n"
             "mov.u32 w, %2;\n"
-            MEGAMOE_L1_PAIR_RED
+            MEGAMOE_PTX_RED_INC_PAIR("w", "%1")
             MEGAMOE_L1_LIST_ENTRY(0, 4)
             MEGAMOE_L1_LIST_ENTRY(1, 8)
             MEGAMOE_L1_LIST_ENTRY(2, 12)
@@ -210,7 +201,6 @@ struct L1EpilogueState {
 };
 
 #undef MEGAMOE_L1_LIST_ENTRY
-#undef MEGAMOE_L1_PAIR_RED
 
 // Quantized halves of one thread: packed[h][c] holds the e4m3 codes of row r + 8 h at output columns
 // 8 (2 c) + 2 q + {0, 1} (bytes 0, 1) and 8 (2 c + 1) + 2 q + {0, 1} (bytes 2, 3); sf[h] is that row's SF.
