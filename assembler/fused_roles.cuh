@@ -383,8 +383,9 @@ MEGAMOE_DEVICE void math_role(const FusedContext<T>& ctx, uint32_t math_wg_idx, 
     };
     // Wait for the next task and load its weight SFs (hidden behind this task's epilogue)
     const auto locate_next = [&]() {
-        wait_slot(next_slot());
-        const QueuedTask next_task = ctx.tasks.peek(next_slot().stage);
+        const gemm::PipelineState<T::kNumTaskSlots> next = next_slot();
+        wait_slot(next);
+        const QueuedTask next_task = ctx.tasks.peek(next.stage);
         if (next_task.valid())
             weight_scales = load_weight_scales(next_task);
     };

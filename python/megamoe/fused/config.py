@@ -20,8 +20,6 @@ NUM_TASK_SLOTS = 4  # assembler/task_queue.cuh: FusedTraits::kNumTaskSlots
 TASK_QUEUE_BYTES = NUM_TASK_SLOTS * 16 + 2 * NUM_TASK_SLOTS * MBARRIER_BYTES
 NUM_L2_TASK_SLOTS = NUM_TASK_SLOTS + 4  # FusedTraits::kNumL2TaskSlots: the scatter warp's queue of L2 tasks
 L2_TASK_QUEUE_BYTES = NUM_L2_TASK_SLOTS * 16 + 2 * NUM_L2_TASK_SLOTS * MBARRIER_BYTES
-
-
 # The L1 store thread's pending counters at BLOCK_M 128 (fused_traits.cuh: kL1ReleasesBytes; epilogue/l1_epilogue.cuh:
 # L1EpilogueState::kListBytes, a count and 32 pairs)
 L1_RELEASES_BYTES = (1 + 32) * 4
