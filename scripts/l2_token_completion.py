@@ -1,0 +1,80 @@
+"""When the tokens' rows complete in the fused kernel's L2 phase (CPU only; notes/fused.md, "When the tokens' rows
+complete in the L2 phase"): the scheduler model's L2 order at the call's config (megamoe.scheduler, static
+striding), and orders that take the L2 tasks pool-block band major across the wave's experts. For each order: the
+10th / 50th / 90th percentile of the tokens' completion (the position of the last L2 task covering one of the
+token's rows, as a fraction of the L2 tasks) and the w2 bytes it streams (each band rereads every expert's w2).
+Routing as `megamoe bench fused` draws it (bench.fused.routed_inputs); pool rows of an expert in token order.
+Usage: PYTHONPATH=python python3 scripts/l2_token_completion.py [--tokens 4096] [--bands 1 2 3]"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from megamoe import heuristics, scheduler
+from megamoe.bench.fused import FUSED_SEEDS, FUSED_SHAPES, expected_load, routed_inputs
+from megamoe.fused import config_for
+from megamoe.layout import SymmLayout
+
+NUM_SMS = 132
+QUANTILES = (0.1, 0.5, 0.9)
+
+
+def completion_quantiles(order: Sequence[scheduler.Task], pool_rank: dict[tuple[int, int], int],
+                         topk_idx: torch.Tensor, block_m: int) -> list[float]:
+    """Quantiles of the tokens' completion positions in `order` (L2 tasks only), as fractions of its length."""
+    last = {(task.expert_idx, task.m_block_idx): i for i, task in enumerate(order)}
+    done = sorted(max(last[(e, pool_rank[(e, token)] // block_m)] for e in experts) / len(order)
+                  for token, experts in enumerate(topk_idx.tolist()))
+    return [done[int(q * len(done))] for q in QUANTILES]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--shape", default="flash", choices=sorted(FUSED_SHAPES))
+    parser.add_argument("--bands", type=int, nargs="+", default=[1, 2, 3])
+    args = parser.parse_args()
+    spec = FUSED_SHAPES[args.shape]
+    lay = SymmLayout.create(1, spec.num_experts, spec.max_tokens, spec.num_topk, spec.hidden, spec.intermediate)
+    config = config_for(lay, expected_tokens_per_expert=expected_load(spec, args.tokens))
+    num_l1_n, num_l2_n = 2 * spec.intermediate // 128, spec.hidden // 128
+    w2_bytes = spec.num_experts * spec.hidden * spec.intermediate
+
+    table = Table(title=f"L2 completion of the tokens, T {args.tokens}, BLOCK_M {config.block_m}, "
+                        f"{'N' if config.n_major_l2 else 'M'}-major L2 (fractions of the L2 tasks)")
+    for column in ("seed", "order", *(f"p{int(q * 100)}" for q in QUANTILES), "w2 streamed (GB)"):
+        table.add_column(column, justify="right")
+    for seed in FUSED_SEEDS:
+        _, _, topk_idx, _ = routed_inputs(args.tokens, spec.num_experts, spec.num_topk, spec.hidden, seed,
+                                          torch.device("cpu"))
+        counts = torch.bincount(topk_idx.flatten(), minlength=spec.num_experts).tolist()
+        # each expert's pool rows in token order
+        pool_rank: dict[tuple[int, int], int] = {}
+        next_row = [0] * spec.num_experts
+        for token, experts in enumerate(topk_idx.tolist()):
+            for e in experts:
+                pool_rank[(e, token)] = next_row[e]
+                next_row[e] += 1
+        sequence = scheduler.task_sequence(counts, block_m=config.block_m, num_l1_n_blocks=num_l1_n,
+                                           num_l2_n_blocks=num_l2_n, n_major_l2=config.n_major_l2,
+                                           min_wave_l1_tiles=heuristics.min_wave_l1_tiles_for(NUM_SMS))
+        l2 = [task for task in sequence if task.phase == "l2"]
+        max_m = max(scheduler.num_m_blocks(c, config.block_m) for c in counts)
+        orders = [("call's", l2, 1)]
+        for band in args.bands:
+            orders.append((f"bands of {band} m-block(s)",
+                           sorted(l2, key=lambda t, b=band: (t.m_block_idx // b, t.expert_idx, t.n_block_idx,
+                                                             t.m_block_idx)),
+                           -(-max_m // band)))
+        for name, order, passes in orders:
+            quantiles = completion_quantiles(order, pool_rank, topk_idx, config.block_m)
+            table.add_row(str(seed), name, *(f"{q:.2f}" for q in quantiles), f"{passes * w2_bytes / 1e9:.2f}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
