@@ -17,9 +17,8 @@ from rich.table import Table
 from megamoe import heuristics, scheduler
 from megamoe.bench.fused import FUSED_SEEDS, FUSED_SHAPES, expected_load, routed_inputs
 from megamoe.fused import config_for
-from megamoe.layout import SymmLayout
+from megamoe.layout import SymmLayout, ceil_div
 
-NUM_SMS = 132
 QUANTILES = (0.1, 0.5, 0.9)
 
 
@@ -41,7 +40,7 @@ def main() -> None:
     spec = FUSED_SHAPES[args.shape]
     lay = SymmLayout.create(1, spec.num_experts, spec.max_tokens, spec.num_topk, spec.hidden, spec.intermediate)
     config = config_for(lay, expected_tokens_per_expert=expected_load(spec, args.tokens))
-    num_l1_n, num_l2_n = 2 * spec.intermediate // 128, spec.hidden // 128
+    num_l1_n, num_l2_n = 2 * spec.intermediate // heuristics.BLOCK_N, spec.hidden // heuristics.BLOCK_N
     w2_bytes = spec.num_experts * spec.hidden * spec.intermediate
 
     table = Table(title=f"L2 completion of the tokens, T {args.tokens}, BLOCK_M {config.block_m}, "
@@ -59,9 +58,10 @@ def main() -> None:
             for e in experts:
                 pool_rank[(e, token)] = next_row[e]
                 next_row[e] += 1
+        min_wave_l1_tiles = heuristics.min_wave_l1_tiles_for(heuristics.DEFAULT_NUM_SMS)
         sequence = scheduler.task_sequence(counts, block_m=config.block_m, num_l1_n_blocks=num_l1_n,
                                            num_l2_n_blocks=num_l2_n, n_major_l2=config.n_major_l2,
-                                           min_wave_l1_tiles=heuristics.min_wave_l1_tiles_for(NUM_SMS))
+                                           min_wave_l1_tiles=min_wave_l1_tiles)
         l2 = [task for task in sequence if task.phase == "l2"]
         max_m = max(scheduler.num_m_blocks(c, config.block_m) for c in counts)
         orders = [("call's", l2, 1)]
@@ -69,7 +69,7 @@ def main() -> None:
             orders.append((f"bands of {band} m-block(s)",
                            sorted(l2, key=lambda t, b=band: (t.m_block_idx // b, t.expert_idx, t.n_block_idx,
                                                              t.m_block_idx)),
-                           -(-max_m // band)))
+                           ceil_div(max_m, band)))
         for name, order, passes in orders:
             quantiles = completion_quantiles(order, pool_rank, topk_idx, config.block_m)
             table.add_row(str(seed), name, *(f"{q:.2f}" for q in quantiles), f"{passes * w2_bytes / 1e9:.2f}")
