@@ -81,7 +81,6 @@ def _scenario_exact(group: Any, bulk: bool, preset: str | None = None) -> list[s
 
 def _scenario_back_to_back(group: Any, num_calls: int) -> list[str]:
     """Calls with changing inputs, token counts, routings and BLOCK_M, no host synchronization in between."""
-    from megamoe.kernels import dispatch_combine as dc
     from megamoe.testing import dispatch_combine as dcc
 
     buf = _buffer(group)
@@ -90,23 +89,14 @@ def _scenario_back_to_back(group: Any, num_calls: int) -> list[str]:
     for call in range(num_calls):
         counts = [rng.choice([0, SHAPE[2], rng.randint(1, SHAPE[2])]) for _ in range(NUM_RANKS)]
         inputs = dcc.random_inputs(buf.layout, counts, dcc.ROUTINGS[call % len(dcc.ROUTINGS)], seed=call)
-        mine = inputs[buf.rank]
-        staged = [getattr(mine, n).to(buf.device) for n in ("x", "x_sf", "topk_idx", "topk_weights")]
-        calls.append((inputs, staged, rng.choice([32, 64, 128])))
+        calls.append((inputs, rng.choice([32, 64, 128])))
     stats = torch.zeros(buf.layout.num_local_experts, dtype=torch.int32, device=buf.device)
-    ys = []
-    for inputs, staged, block_m in calls:
-        t = staged[0].shape[0]
-        for name, value in zip(("x", "x_sf", "topk_idx", "topk_weights"), staged):
-            getattr(buf, name)[:t].copy_(value)
-        y = torch.full((t, buf.hidden), float("nan"), dtype=torch.bfloat16, device=buf.device)
-        dc.run(buf, t, y, block_m=block_m, recv_stats=stats, check_inputs=False)
-        ys.append(y)
+    ys = dcc.queued_calls(buf, calls, stats)
     torch.cuda.synchronize()
 
     errors = []
     total = [0] * buf.layout.num_local_experts
-    for call, ((inputs, _, _), y) in enumerate(zip(calls, ys)):
+    for call, ((inputs, _), y) in enumerate(zip(calls, ys)):
         mine = inputs[buf.rank]
         expected = dcc.expected_y(mine.x, mine.x_sf, mine.topk_idx, mine.topk_weights)
         differ = int((y.view(torch.int16).cpu() != expected.view(torch.int16)).sum())
@@ -116,7 +106,7 @@ def _scenario_back_to_back(group: Any, num_calls: int) -> list[str]:
             total[e] += rows.src.shape[0]
     if stats.cpu().tolist() != total:
         errors.append(f"cumulative recv stats {stats.cpu().tolist()}, expected {total}")
-    last_inputs, _, last_block_m = calls[-1]
+    last_inputs, last_block_m = calls[-1]
     expected_rows = dcc.expected_dispatch(last_inputs, buf.layout, buf.rank)
     got = dcc.dispatched_rows(buf, [r.src.shape[0] for r in expected_rows], last_block_m)
     errors += [f"last call: {e}" for e in dcc.compare_dispatch(got, expected_rows)]

@@ -188,3 +188,21 @@ def checked_call(buf: SymmBuffer, inputs: list, block_m: int, bulk: bool = True,
     run(buf, num_tokens, y, block_m=block_m, recv_stats=stats, bulk_pull=bulk, knobs=knobs)
     torch.cuda.synchronize()
     return call_errors(buf, inputs, y, stats, block_m)
+
+
+def queued_calls(buf: SymmBuffer, calls: list[tuple[list[RankInputs], int]], recv_stats: torch.Tensor,
+                 ) -> list[torch.Tensor]:
+    """Run (every rank's inputs, BLOCK_M) calls back to back with no host synchronization in between: this rank's
+    inputs are staged on the device first, each y is NaN before its call; recv_stats accumulates over the calls.
+    Returns the y of each call (the caller synchronizes)."""
+    names = ("x", "x_sf", "topk_idx", "topk_weights")
+    staged = [[getattr(inputs[buf.rank], n).to(buf.device) for n in names] for inputs, _ in calls]
+    ys = []
+    for tensors, (_, block_m) in zip(staged, calls):
+        t = tensors[0].shape[0]
+        for name, value in zip(names, tensors):
+            getattr(buf, name)[:t].copy_(value)
+        y = torch.full((t, buf.hidden), float("nan"), dtype=torch.bfloat16, device=buf.device)
+        run(buf, t, y, block_m=block_m, recv_stats=recv_stats, check_inputs=False)
+        ys.append(y)
+    return ys
