@@ -6,7 +6,7 @@ megamoe.bench.comm.bench_round_trip) share them."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -195,13 +195,11 @@ def queued_calls(buf: SymmBuffer, calls: list[tuple[list[RankInputs], int]], rec
     """Run (every rank's inputs, BLOCK_M) calls back to back with no host synchronization in between: this rank's
     inputs are staged on the device first, each y is NaN before its call; recv_stats accumulates over the calls.
     Returns the y of each call (the caller synchronizes)."""
-    names = ("x", "x_sf", "topk_idx", "topk_weights")
-    staged = [[getattr(inputs[buf.rank], n).to(buf.device) for n in names] for inputs, _ in calls]
+    staged = [RankInputs(*(getattr(inputs[buf.rank], f.name).to(buf.device) for f in fields(RankInputs)))
+              for inputs, _ in calls]
     ys = []
-    for tensors, (_, block_m) in zip(staged, calls):
-        t = tensors[0].shape[0]
-        for name, value in zip(names, tensors):
-            getattr(buf, name)[:t].copy_(value)
+    for rank_inputs, (_, block_m) in zip(staged, calls):
+        t = load_inputs(buf, rank_inputs)
         y = torch.full((t, buf.hidden), float("nan"), dtype=torch.bfloat16, device=buf.device)
         run(buf, t, y, block_m=block_m, recv_stats=recv_stats, check_inputs=False)
         ys.append(y)
