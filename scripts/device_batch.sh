@@ -8,6 +8,8 @@
 #                           "sweep|150|python3 scripts/sweep_gemm.py --cases 1 6 --knobs '' cluster_n=2"
 # A step is "NAME|SECONDS|COMMAND" (COMMAND runs under bash -c). Environment: PYTHONPATH=python, the system host
 # compiler, NVLink multicast off (DESIGN section 6), MEGAMOE_JIT_CACHE_DIR defaulting to .jit-run.
+# Caches too large to carry as they are (64 MiB in all) travel packed: scripts/pack_caches.sh here writes
+# .jit-pack/caches.tar.xz (cubins compress ~20x), carry [".jit-pack"], and this script unpacks it first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -17,6 +19,9 @@ export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 out_dir="${OUT:-$PWD/.gpu-logs}"
 mkdir -p "$out_dir"
 logs=$(mktemp -d)
+if [ -f .jit-pack/caches.tar.xz ]; then
+    python3 -c "import tarfile; tarfile.open('.jit-pack/caches.tar.xz').extractall()" || exit 1
+fi
 pack() { tar czf "$out_dir/batch.tgz" -C "$logs" .; }
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader; } > "$logs/env.txt" 2>&1
