@@ -30,8 +30,9 @@ struct FusedTraits {
     static constexpr uint32_t kHidden = layout::kHidden;
     static constexpr uint32_t kIntermediate = layout::kIntermediate;
     static constexpr uint32_t kNumExperts = layout::kNumLocalExperts;  // the GEMM groups: this rank's experts
-    // combine/reduce.cuh: 16 B vectors per lane and slot. 4 at BLOCK_M 128 (12 KB in flight per warp, the reduce after
-    // the last L2 tile): same-call A/B on an H100, T 4096 cold 4-7 us faster in every round and seed, T 1024 unchanged
+    // combine/reduce.cuh: 16 B vectors per lane and slot. 4 at BLOCK_M 128 (12 KB in flight per warp at top-6, the
+    // reduce after the last L2 tile): same-call A/B on an H100, T 4096 cold 4-7 us faster in every round and seed, T
+    // 1024 unchanged
     static constexpr uint32_t kReduceVecs = BLOCK_M == 128 ? 4 : 2;
 
     using L1Base = gemm::GemmTraits<BLOCK_M, kNumStages, gemm::ScaleMode::kL1GateUp, 2 * kIntermediate, kHidden>;
