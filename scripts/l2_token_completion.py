@@ -4,7 +4,7 @@ striding), and orders that take the L2 tasks pool-block band major across the wa
 10th / 50th / 90th percentile of the tokens' completion (the position of the last L2 task covering one of the
 token's rows, as a fraction of the L2 tasks) and the w2 bytes it streams (each band rereads every expert's w2).
 Routing as `megamoe bench fused` draws it (bench.fused.routed_inputs); pool rows of an expert in token order.
-Usage: PYTHONPATH=python python3 scripts/l2_token_completion.py [--tokens 4096] [--bands 1 2 3]"""
+Usage: PYTHONPATH=python python3 scripts/l2_token_completion.py [--tokens 4096] [--bands 1 2 3] [--tail-experts 4 6 8]"""
 from __future__ import annotations
 
 import argparse
@@ -20,15 +20,18 @@ from megamoe.fused import config_for
 from megamoe.layout import SymmLayout, ceil_div
 
 QUANTILES = (0.1, 0.5, 0.9)
+LATE_POSITIONS = (0.8, 0.9, 0.95, 0.98)
 
 
-def completion_quantiles(order: Sequence[scheduler.Task], pool_rank: dict[tuple[int, int], int],
-                         topk_idx: torch.Tensor, block_m: int) -> list[float]:
-    """Quantiles of the tokens' completion positions in `order` (L2 tasks only), as fractions of its length."""
+def completion_stats(order: Sequence[scheduler.Task], pool_rank: dict[tuple[int, int], int],
+                     topk_idx: torch.Tensor, block_m: int) -> list[float]:
+    """Quantiles of the tokens' completion positions in `order` (L2 tasks only), as fractions of its length, then
+    the shares of the tokens completing after each of LATE_POSITIONS."""
     last = {(task.expert_idx, task.m_block_idx): i for i, task in enumerate(order)}
     done = sorted(max(last[(e, pool_rank[(e, token)] // block_m)] for e in experts) / len(order)
                   for token, experts in enumerate(topk_idx.tolist()))
-    return [done[int(q * len(done))] for q in QUANTILES]
+    return ([done[int(q * len(done))] for q in QUANTILES] +
+            [sum(1 for d in done if d > p) / len(done) for p in LATE_POSITIONS])
 
 
 def main() -> None:
@@ -36,17 +39,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--shape", default="flash", choices=sorted(FUSED_SHAPES))
     parser.add_argument("--bands", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--tail-experts", type=int, nargs="*", default=[4, 6, 8])
     args = parser.parse_args()
     spec = FUSED_SHAPES[args.shape]
     lay = SymmLayout.create(1, spec.num_experts, spec.max_tokens, spec.num_topk, spec.hidden, spec.intermediate)
     config = config_for(lay, expected_tokens_per_expert=expected_load(spec, args.tokens))
     num_l1_n, num_l2_n = 2 * spec.intermediate // heuristics.BLOCK_N, spec.hidden // heuristics.BLOCK_N
-    w2_bytes = spec.num_experts * spec.hidden * spec.intermediate
+    w2_expert_bytes = spec.hidden * spec.intermediate
+    w2_bytes = spec.num_experts * w2_expert_bytes
 
     table = Table(title=f"L2 completion of the tokens, T {args.tokens}, BLOCK_M {config.block_m}, "
                         f"{'N' if config.n_major_l2 else 'M'}-major L2 (fractions of the L2 tasks)")
-    for column in ("seed", "order", *(f"p{int(q * 100)}" for q in QUANTILES), "w2 streamed (GB)"):
-        table.add_column(column, justify="right")
+    for column in ("seed", "order", *(f"p{int(q * 100)}" for q in QUANTILES),
+                   *(f">{p}" for p in LATE_POSITIONS), "w2 streamed (GB)"):
+        table.add_column(column, justify="right", no_wrap=column == "order")
     for seed in FUSED_SEEDS:
         _, _, topk_idx, _ = routed_inputs(args.tokens, spec.num_experts, spec.num_topk, spec.hidden, seed,
                                           torch.device("cpu"))
@@ -64,16 +70,25 @@ def main() -> None:
                                            min_wave_l1_tiles=min_wave_l1_tiles)
         l2 = [task for task in sequence if task.phase == "l2"]
         max_m = max(scheduler.num_m_blocks(c, config.block_m) for c in counts)
-        orders = [("call's", l2, 1)]
+        orders = [("call's", l2, w2_bytes)]
         for band in args.bands:
-            orders.append((f"bands of {band} m-block(s)",
+            orders.append((f"bands of {band}",
                            sorted(l2, key=lambda t, b=band: (t.m_block_idx // b, t.expert_idx, t.n_block_idx,
                                                              t.m_block_idx)),
-                           ceil_div(max_m, band)))
-        for name, order, passes in orders:
-            quantiles = completion_quantiles(order, pool_rank, topk_idx, config.block_m)
-            table.add_row(str(seed), name, *(f"{q:.2f}" for q in quantiles), f"{passes * w2_bytes / 1e9:.2f}")
-    Console().print(table)
+                           ceil_div(max_m, band) * w2_bytes))
+        experts_in_order = list(dict.fromkeys(task.expert_idx for task in l2))
+        for k in args.tail_experts:
+            tail = experts_in_order[len(experts_in_order) - k:]
+            banded = sorted((t for t in l2 if t.expert_idx in tail),
+                            key=lambda t: (t.m_block_idx, tail.index(t.expert_idx), t.n_block_idx))
+            max_tail_m = max(scheduler.num_m_blocks(counts[e], config.block_m) for e in tail)
+            orders.append((f"last {k} banded",
+                           [t for t in l2 if t.expert_idx not in tail] + banded,
+                           w2_bytes + (max_tail_m - 1) * k * w2_expert_bytes))
+        for name, order, streamed in orders:
+            stats = completion_stats(order, pool_rank, topk_idx, config.block_m)
+            table.add_row(str(seed), name, *(f"{q:.2f}" for q in stats), f"{streamed / 1e9:.2f}")
+    Console(width=120).print(table)
 
 
 if __name__ == "__main__":
