@@ -2,9 +2,13 @@
 complete in the L2 phase"): the scheduler model's L2 order at the call's config (megamoe.scheduler, static
 striding), and orders that take the L2 tasks pool-block band major across the wave's experts. For each order: the
 10th / 50th / 90th percentile of the tokens' completion (the position of the last L2 task covering one of the
-token's rows, as a fraction of the L2 tasks) and the w2 bytes it streams (each band rereads every expert's w2).
+token's rows, as a fraction of the L2 tasks), the shares of the tokens completing after 0.8 / 0.9 / 0.95 / 0.98 of
+the L2 tasks, and the w2 bytes it streams (each band rereads every banded expert's w2). `--tail-experts k`: the
+call's order, but the last k experts' L2 tiles band major (bands of 1 m-block), so that their rereads might hit the
+L2 cache (notes/fused.md, "Reduce tasks between the last L2 tiles").
 Routing as `megamoe bench fused` draws it (bench.fused.routed_inputs); pool rows of an expert in token order.
-Usage: PYTHONPATH=python python3 scripts/l2_token_completion.py [--tokens 4096] [--bands 1 2 3] [--tail-experts 4 6 8]"""
+Usage: PYTHONPATH=python python3 scripts/l2_token_completion.py [--tokens 4096] [--bands 1 2 3]
+       [--tail-experts 4 6 8]"""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +46,8 @@ def main() -> None:
     parser.add_argument("--tail-experts", type=int, nargs="*", default=[4, 6, 8])
     args = parser.parse_args()
     spec = FUSED_SHAPES[args.shape]
+    if any(k < 1 or k > spec.num_experts for k in args.tail_experts):
+        parser.error(f"--tail-experts: each k in 1..{spec.num_experts}")
     lay = SymmLayout.create(1, spec.num_experts, spec.max_tokens, spec.num_topk, spec.hidden, spec.intermediate)
     config = config_for(lay, expected_tokens_per_expert=expected_load(spec, args.tokens))
     num_l1_n, num_l2_n = 2 * spec.intermediate // heuristics.BLOCK_N, spec.hidden // heuristics.BLOCK_N
