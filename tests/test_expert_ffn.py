@@ -139,6 +139,29 @@ def test_random_checks_accept_emulated_accumulation_error(debug: bool) -> None:
     check_random(report, False)
 
 
+def test_code_excess_is_taken_on_the_codes_own_sf() -> None:
+    """A group amax off by 2e-3 (its own accumulation error, within RANDOM_SF_REL_ERR) with the group's codes
+    requantized on it, as the kernel does, moves codes but leaves no code excess; the same codes stored beside the
+    expected SFs do."""
+    problem = _problem(64, small_int=False, clamp=False, fast_math=False)
+    outputs = efc.expected_outputs(problem)
+    expert, rows = 4, problem.rows(4)
+    groups = problem.reference.experts[expert].act.unflatten(1, (-1, 64))
+    amax = groups.abs().amax(dim=2, keepdim=True) * (1 + 2e-3)
+    q = (groups * torch.div(torch.full_like(amax, efc.FP8_MAX), amax)).flatten(1).to(torch.float8_e4m3fn)
+    outputs.l2_acts[rows] = q
+    outputs.l2_acts_sf[:, rows] = (amax / efc.FP8_MAX).squeeze(2).t()
+    _recompute_out(problem, outputs, expert)
+    report = efc.compare(problem, outputs)
+    assert report.codes.steps[1] > 0 and 1.9e-3 < report.codes.sf_max_rel_err < 2.1e-3
+    assert report.codes.excess < 1e-6, report.summary()
+    check_random(report, False)
+    # The moved codes beside the expected SFs: each is off its own scale by the 2e-3
+    outputs.l2_acts_sf[:, rows] = problem.reference.experts[expert].l2_act_sf.t()
+    report = efc.compare(problem, outputs)
+    assert report.codes.sf_max_rel_err == 0.0 and report.codes.excess > 2e-4, report.summary()
+
+
 def test_epilogue_check_catches_what_accumulation_noise_hides() -> None:
     """A small code moved by two steps hides in check 1's allowance for the GEMM's error; against the epilogue of
     the kernel's own accumulators it cannot."""

@@ -55,14 +55,21 @@ EXACT_OUT_REL_L2 = 2e-3                                    # measured <= 4.4e-4
 # codes (fine FP8 spacing) by more than one step: a CPU emulation with Gaussian errors of 2e-4 RMS on the L1
 # accumulators (H 1024, I 512) gave 1.7% codes one step off, 0.17% two or more, excess 9e-4 amax, SF rel err 1e-3,
 # per-slot rel-L2 5.7e-3 (DESIGN: 1.2% flips and 3.7e-3 with cuBLAS partials). So the bound is on the excess
-# beyond the rounding of the reference's unrounded value (a layout or scale bug gives ~0.1-1 amax), and the
-# step histogram is reported.
+# beyond the rounding of the reference's unrounded value on the code's own scale (a layout or scale bug gives
+# ~0.1-1 amax), and the step histogram is reported.
 # ---------------------------------------------------------------------------------------------------------------
 # Measured on the H200, 2026-11-29, 24 random variants (BLOCK_M 32/64/128 x clamp x fast math x 4096x2048 and
 # 7168x3072): code excess <= 9.7e-4 amax; codes one step off <= 1.11% (DESIGN's cuBLAS emulation: 1.2%), two or
 # more <= 0.113% (all small values, where FP8 steps are finer than the accumulation error); SF rel err <= 1.04e-3;
 # per-slot BF16 rel-L2 <= 8.4e-3. Thresholds ~2x the measurement.
-RANDOM_CODE_EXCESS = 2e-3            # in units of the row amax
+# The excess is taken on each code's own SF scale (the SF the kernel stored beside it): on the expected SF's scale, a
+# group's codes also carry the error of the group's own amax, which RANDOM_SF_REL_ERR bounds. Measured over 261
+# random-tier cases on an H100 (scripts/ffn_code_excess.py, the debug variant, all 8 shape x clamp x math cases,
+# 20-61 seeds each): code excess median 5-6e-4, max 1.15e-3 amax; SF rel err median 7-9e-4, max 1.92e-3 (the next
+# 1.62e-3, 1.45e-3: 1.3x under its bound); every L1 accumulator within 1.15e-3 x its expert's accumulator RMS of
+# the reference's. On the expected SF's scale the case with the 1.92e-3 SF had 2.09e-3 of excess (4.9e-4 on its
+# own scale): that case failed the bound below before the excess moved to the code's own scale.
+RANDOM_CODE_EXCESS = 2e-3            # in units of the group amax
 RANDOM_ONE_STEP_FRACTION = 0.025
 RANDOM_MULTI_STEP_FRACTION = 2.5e-3
 RANDOM_SF_REL_ERR = 2.5e-3
