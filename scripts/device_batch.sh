@@ -20,7 +20,7 @@ out_dir="${OUT:-$PWD/.gpu-logs}"
 mkdir -p "$out_dir"
 logs=$(mktemp -d)
 if [ -f .jit-pack/caches.tar.xz ]; then
-    python3 -c "import tarfile; tarfile.open('.jit-pack/caches.tar.xz').extractall()" || exit 1
+    python3 -c "import tarfile; tarfile.open('.jit-pack/caches.tar.xz').extractall(filter='data')" || exit 1
 fi
 pack() { tar czf "$out_dir/batch.tgz" -C "$logs" .; }
 
