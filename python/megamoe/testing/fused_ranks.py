@@ -111,7 +111,8 @@ def reference_y(group: Any, rank: int, num_ranks: int, tokens: RankTokens, l1: W
     weights = _gather(group, tokens.topk_weights, counts)
 
     routings = [ref._route(idx, num_experts) for idx in idxs]
-    slot_outs = [torch.zeros(n, num_topk, hidden, dtype=torch.bfloat16, device=device) for n in counts]
+    slot_outs: list[Tensor | None] = [torch.zeros(n, num_topk, hidden, dtype=torch.bfloat16, device=device)
+                                      for n in counts]
     recv = torch.zeros(num_local, dtype=torch.int32, device=device)
     for local in range(num_local):
         expert = rank * num_local + local
@@ -127,14 +128,20 @@ def reference_y(group: Any, rank: int, num_ranks: int, tokens: RankTokens, l1: W
                                     w1[local], w1_sf[local], w2[local], w2_sf[local], activation_clamp, fast_math)
         start = 0
         for s, tok, slot in pulled:
-            slot_outs[s][tok, slot] = inter.out[start:start + tok.numel()]
+            out = slot_outs[s]
+            assert out is not None
+            out[tok, slot] = inter.out[start:start + tok.numel()]
             start += tok.numel()
     # Each source rank's per-slot outputs: one rank computed each (token, slot), the others hold zeros
-    mine = slot_outs[rank]
+    mine = None
     for s in range(num_ranks):
-        total = slot_outs[s].float()
-        dist.reduce(total, dst=s, group=group)
+        out = slot_outs[s]
+        assert out is not None
+        total = out.float()
+        slot_outs[s] = out = None  # freed as the reduces go
+        dist.reduce(total, dst=dist.get_global_rank(group, s), group=group)
         if s == rank:
             mine = total.to(torch.bfloat16)
-        slot_outs[s] = slot_outs[s][:0]  # free it
+        del total
+    assert mine is not None
     return ref._combine(mine, tokens.topk_idx), recv
