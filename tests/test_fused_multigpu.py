@@ -55,6 +55,9 @@ STRESS = Shape("stress", 16, 2048, 1024, 6, (128,))
 NUM_BACK_TO_BACK = 1000
 NUM_GRAPH_REPLAYS = 20
 RANK_COUNTS = (2, 4, 8)
+# The gpu tier runs the scenarios on a one-rank NCCL group too (the harness, the draws, the reference's collectives
+# and the checks on every gpu-tier run; the cross-GPU paths need the multigpu tier)
+COMPILED_RANK_COUNTS = (1, *RANK_COUNTS)
 TIMEOUT_S = 2.0  # device barrier timeout of the timeout scenario
 HARNESS_TIMEOUT_S = 540.0  # below a device call's 600 s, so that a hang is reported with every rank's traceback
 
@@ -297,15 +300,18 @@ def _run_scenario(ctx: Any, scenario: str, kwargs: dict) -> list[str]:
     return _SCENARIOS[scenario](ctx, **kwargs)
 
 
-def _spawn(scenario: str, timeout_s: float = HARNESS_TIMEOUT_S, **kwargs: Any) -> None:
+def _spawn(scenario: str, timeout_s: float = HARNESS_TIMEOUT_S, num_ranks: int | None = None, **kwargs: Any) -> None:
+    """The scenario on num_ranks ranks (default: every visible GPU, which must be 2, 4 or 8 SM90 GPUs)."""
     import random
 
     from megamoe.fused import compile_fused, config_for
     from megamoe.testing.ranks import spawn_ranks
 
-    num_ranks = torch.cuda.device_count()
-    if num_ranks not in RANK_COUNTS or any(torch.cuda.get_device_capability(d) != (9, 0) for d in range(num_ranks)):
-        pytest.skip(f"multigpu tier: needs 2, 4 or 8 SM90 GPUs, found {num_ranks}")
+    if num_ranks is None:
+        num_ranks = torch.cuda.device_count()
+        if num_ranks not in RANK_COUNTS or any(torch.cuda.get_device_capability(d) != (9, 0)
+                                               for d in range(num_ranks)):
+            pytest.skip(f"multigpu tier: needs 2, 4 or 8 SM90 GPUs, found {num_ranks}")
     for layout in layouts(num_ranks):  # here once (a cache hit when carried), not in every rank at once
         compile_fused(config_for(layout))
     seed = random.SystemRandom().randrange(1 << 30)
@@ -368,15 +374,24 @@ def test_distributed_reference_matches_reference_moe(counts: list[int], routing:
 
 @pytest.mark.compile
 def test_fused_multigpu_variants_compile() -> None:
-    """compile tier: the variants this file launches on 2, 4 and 8 ranks (so the carried JIT cache holds them)."""
+    """compile tier: the variants this file launches on 1, 2, 4 and 8 ranks (so the carried JIT cache holds them)."""
     from megamoe.fused import compile_fused, config_for
     from megamoe.jit import checks
 
-    for num_ranks in RANK_COUNTS:
+    for num_ranks in COMPILED_RANK_COUNTS:
         for layout in layouts(num_ranks):
             result = compile_fused(config_for(layout))
             problems = checks.violations(result, checks.CheckOptions(expect_qgmma=True))
             assert not problems, problems
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario, kwargs", [("matrix", {"shape_name": "smoke"}), ("matrix", {"shape_name": "top8"}),
+                                              ("back_to_back", {"num_calls": 100}), ("graph", {})],
+                         ids=["smoke", "top8", "back_to_back", "graph"])
+def test_fused_scenarios_one_rank(scenario: str, kwargs: dict) -> None:
+    """gpu tier: the multigpu scenarios on a one-rank NCCL group (every rank-local path of this file)."""
+    _spawn(scenario, num_ranks=1, **kwargs)
 
 
 @pytest.mark.multigpu
