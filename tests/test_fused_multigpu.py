@@ -121,9 +121,9 @@ class _Rank:
         """Random initial recv stats (a kernel that assigned instead of adding would lose them)."""
         return torch.randint(0, 100, (self.num_local,), dtype=torch.int32, device=self.device)
 
-    def check(self, tag: str, tokens: Any, y: Any, expected_stats: Any = None, stats: Any = None,
+    def check(self, tag: str, tokens: Any, y: Any, initial_stats: Any = None, stats: Any = None,
               clean: bool = True) -> tuple[list[str], Any]:
-        """y against the reference, the recv stats against expected_stats + the rows each local expert received (when
+        """y against the reference, the recv stats against initial_stats + the rows each local expert received (when
         given), the workspace clean (when `clean`). Returns (errors, those rows). Collective: the reference runs
         across the ranks."""
         from megamoe import reference
@@ -140,8 +140,8 @@ class _Rank:
                 err = reference.rel_l2(y.float(), y_ref.float())
                 if err > max_y_rel_l2(y.shape[0]):
                     errors.append(f"{tag}: y rel-L2 {err:.3e} > {max_y_rel_l2(y.shape[0])}")
-        if stats is not None and not torch.equal(stats, expected_stats + recv):
-            errors.append(f"{tag}: recv stats {stats.tolist()}, expected {expected_stats.tolist()} + {recv.tolist()}")
+        if stats is not None and not torch.equal(stats, initial_stats + recv):
+            errors.append(f"{tag}: recv stats {stats.tolist()}, expected {initial_stats.tolist()} + {recv.tolist()}")
         if clean:
             try:
                 assert_workspace_clean(self.buf, tag)
