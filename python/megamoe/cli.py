@@ -22,6 +22,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 COMM_ONLY_OPTIONS = ("tokens", "warmup", "iters", "compile_only", "ranks", "wave_fill", "phases", "shape")
 FUSED_OPTIONS = ("tokens", "compile_only", "wave_fill", "phases", "shape")
+FUSED_MULTI_OPTIONS = ("tokens", "warmup", "iters", "compile_only", "ranks")
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -60,6 +61,22 @@ def bench_options(args: argparse.Namespace) -> dict:
         return options
     if args.wave_fill is not None or args.phases or args.shape is not None:
         raise ValueError("--wave-fill, --phases and --shape only apply to `megamoe bench fused`")
+    if args.name == "fused_multi":
+        from megamoe.bench import fused_multi
+
+        others = [g for g in given if g[2:].replace("-", "_") not in FUSED_MULTI_OPTIONS]
+        if others:
+            raise ValueError(f"{', '.join(others)} only apply to `megamoe bench comm`")
+        tokens = parse_int_list(args.tokens) if args.tokens is not None else list(fused_multi.MULTI_TOKENS)
+        fused_multi.multi_cases(tokens)  # validates them
+        if args.compile_only:
+            ranks = parse_int_list(args.ranks) if args.ranks is not None else list(fused_multi.MULTI_RANKS)
+            return {"tokens": tokens, "ranks": ranks}
+        if args.ranks is not None:
+            raise ValueError("--ranks only applies with --compile-only (a run uses every visible GPU: "
+                             "CUDA_VISIBLE_DEVICES picks them)")
+        return {"tokens": tokens, "warmup": 5 if args.warmup is None else args.warmup,
+                "iters": 20 if args.iters is None else args.iters}
     if args.name != "comm":
         if given:
             raise ValueError(f"{', '.join(given)} only apply to `megamoe bench comm`")
@@ -91,6 +108,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             from megamoe.bench.fused import precompile_fused
 
             precompile_fused(**options)
+            return 0
+        if args.name == "fused_multi":
+            from megamoe.bench.fused_multi import precompile_fused_multi
+
+            precompile_fused_multi(**options)
             return 0
         from megamoe.bench.comm import precompile_comm
 
@@ -133,8 +155,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     comm.add_argument("--warmup", type=int, default=None, help="warm-up runs per implementation (default 10)")
     comm.add_argument("--iters", type=int, default=None, help="timed runs per implementation (default 50)")
     comm.add_argument("--compile-only", action="store_true",
-                      help="compile every kernel variant the bench launches into the JIT cache (no GPU; comm, fused)")
-    comm.add_argument("--ranks", default=None, help="with --compile-only: rank counts (default 2,4,8)")
+                      help="compile every kernel variant the bench launches into the JIT cache (no GPU; comm, fused, "
+                           "fused_multi)")
+    comm.add_argument("--ranks", default=None,
+                      help="with --compile-only: rank counts (default 2,4,8; comm, fused_multi)")
     fused = bench.add_argument_group("fused", "the fused kernel beside the unit kernels and cuBLAS, one GPU "
                                      "(--tokens and --compile-only apply too)")
     fused.add_argument("--wave-fill", default=None,

@@ -8,6 +8,9 @@ the times against the H200's measured ceilings.
              one process per GPU; `megamoe bench comm --compile-only` fills the JIT cache without a GPU
   fused      the fused kernel (phase-serial and overlapped) beside the expert-FFN unit kernel on the same rows,
              warm and cold L2, one GPU; `megamoe bench fused --compile-only` fills the JIT cache without a GPU
+  fused_multi the fused kernel on every visible GPU (2, 4 or 8, one process each) at DSV4-Flash and DSV4-Pro beside
+             NCCL all-to-all + the cuBLAS FFN + NCCL combine, and the peer's published 8-GPU times;
+             `megamoe bench fused_multi --compile-only [--ranks 2,4,8]` fills the JIT cache without a GPU
   comm_nccl  that NCCL baseline
   timing     the timers (CUDA events, shuffled rounds, graphs, queued runs) and the ceilings
   results    the records (Measurement, CaseResult), table cells and JSON of every bench
@@ -22,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-BENCHES = ("gemm", "comm", "ffn", "fused")
+BENCHES = ("gemm", "comm", "ffn", "fused", "fused_multi")
 
 
 def resolve(name: str) -> tuple[Callable[..., list], Callable[[list], tuple[dict[str, Any], Any]]]:
