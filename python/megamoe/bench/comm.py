@@ -5,8 +5,6 @@ every variant it launches (no GPU needed). Timers: megamoe.bench.timing; records
 """
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -445,21 +443,13 @@ def _comm_rank(ranks: RankContext, plan: CommPlan, case_fn: Callable[..., dict] 
                device_name: bool = True) -> list[CommCaseResult] | None:
     """One rank: time every case (case_fn: _comm_case_on_rank), gather the records on rank 0, which returns the
     assembled results (the other ranks None). A fake case_fn and device_name=False run it on a CPU (tests)."""
-    import torch.distributed as dist
+    from megamoe.testing.ranks import gather_case_records
 
-    case_fn = case_fn or _comm_case_on_rank
-    records = []
-    for index, case in enumerate(plan.cases):
-        started = time.perf_counter()
-        records.append(case_fn(case, index, plan, ranks))
-        if ranks.rank == 0:
-            print(f"megamoe bench comm: {case.name} done in {time.perf_counter() - started:.1f} s",
-                  file=sys.stderr, flush=True)
-    gathered: list | None = [None] * ranks.num_ranks if ranks.rank == 0 else None
-    dist.gather_object(records, gathered, dst=0, group=ranks.cpu_group)
-    if ranks.rank != 0:
+    fn = case_fn or _comm_case_on_rank
+    gathered = gather_case_records(ranks, plan.cases, lambda case, index: fn(case, index, plan, ranks),
+                                   "megamoe bench comm")
+    if gathered is None:
         return None
-    assert gathered is not None
     return assemble_comm_results(plan.cases, gathered, ranks.num_ranks,
                                  device=torch.cuda.get_device_name() if device_name else "cpu",
                                  warmup=plan.warmup, iters=plan.iters)

@@ -11,8 +11,6 @@ runs are collective, so the ranks stay in step; a case's time is its slowest ran
 """
 from __future__ import annotations
 
-import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -234,21 +232,13 @@ def assemble_multi_results(cases: Sequence[MultiCase], records: Sequence[Sequenc
 def _multi_rank(ranks: Any, plan: MultiPlan, case_fn: Callable[..., dict] | None = None,
                 device_name: bool = True) -> list[MultiCaseResult] | None:
     """One rank: every case (case_fn: _case_on_rank), the records gathered on rank 0, which assembles them."""
-    import torch.distributed as dist
+    from megamoe.testing.ranks import gather_case_records
 
-    case_fn = case_fn or _case_on_rank
-    records = []
-    for index, case in enumerate(plan.cases):
-        started = time.perf_counter()
-        records.append(case_fn(case, index, plan, ranks))
-        if ranks.rank == 0:
-            print(f"megamoe bench fused_multi: {case.name} done in {time.perf_counter() - started:.1f} s",
-                  file=sys.stderr, flush=True)
-    gathered: list | None = [None] * ranks.num_ranks if ranks.rank == 0 else None
-    dist.gather_object(records, gathered, dst=0, group=ranks.cpu_group)
-    if ranks.rank != 0:
+    fn = case_fn or _case_on_rank
+    gathered = gather_case_records(ranks, plan.cases, lambda case, index: fn(case, index, plan, ranks),
+                                   "megamoe bench fused_multi")
+    if gathered is None:
         return None
-    assert gathered is not None
     return assemble_multi_results(plan.cases, gathered, ranks.num_ranks,
                                   device=torch.cuda.get_device_name() if device_name else "cpu",
                                   warmup=plan.warmup, iters=plan.iters)

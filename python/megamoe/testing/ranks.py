@@ -12,7 +12,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -160,3 +160,23 @@ def spawn_ranks(num_ranks: int, fn: Callable[..., Any], *args: Any, backend: str
     if problems:
         raise RankFailure(f"{what} failed:\n" + "\n".join(problems))
     return [reports[rank][0] for rank in range(num_ranks)]
+
+
+def gather_case_records(ranks: RankContext, cases: Sequence[Any], case_fn: Callable[[Any, int], dict],
+                        what: str) -> list[list[dict]] | None:
+    """Every case on this rank (case_fn(case, index) -> its record), each case's time on rank 0's stderr; the
+    records gathered on rank 0 over the cpu group: records[rank][case] there, None on the other ranks (the benches'
+    one-process-per-GPU loop)."""
+    import sys
+
+    import torch.distributed as dist
+
+    records = []
+    for index, case in enumerate(cases):
+        started = time.perf_counter()
+        records.append(case_fn(case, index))
+        if ranks.rank == 0:
+            print(f"{what}: {case.name} done in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    gathered: list | None = [None] * ranks.num_ranks if ranks.rank == 0 else None
+    dist.gather_object(records, gathered, dst=0, group=ranks.cpu_group)
+    return gathered
