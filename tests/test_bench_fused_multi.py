@@ -22,15 +22,21 @@ def _gloo_baseline(ranks: RankContext, counts: list[int]) -> tuple[float, int]:
     e, h, i, k = SMALL
     natural = fused_ranks.draw_local_weights(3, ranks.rank, e // ranks.num_ranks, h, i, "cpu")
     tokens = fused_ranks.draw_tokens(4, ranks.rank, counts[ranks.rank], e, k, h, "uniform", "cpu")
-    y_ref, _ = fused_ranks.reference_y(ranks.group, ranks.rank, ranks.num_ranks, tokens, *natural)
+    y_ref, recv = fused_ranks.reference_y(ranks.group, ranks.rank, ranks.num_ranks, tokens, *natural)
     baseline = fm.NcclCublas(tokens, natural, ranks.num_ranks, ranks.rank, ranks.group, scaled_mm=FakeScaledMm())
     first = baseline.run()
-    again = baseline.run()  # the timed path: fixed splits, the received rows copied in again
+    # The timed path (fixed splits) must take the received rows afresh: the FFN's own copies are spoiled first
+    for t in (baseline.ffn.x_ext, baseline.ffn.inputs.x.view(torch.uint8)):
+        t.fill_(0x7E)
+    baseline.ffn.x_sf_ext.fill_(float("nan"))
+    again = baseline.run()
     assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+    # Only the local experts that received rows run (one, empty, where none did)
+    assert baseline.ffn.pipeline.num_experts == max(int((recv > 0).sum()), 1), (recv.tolist(),)
     return reference.rel_l2(first.float(), y_ref.float()), int(first.shape[0])
 
 
-@pytest.mark.parametrize("counts", [[9, 5], [16, 16]])
+@pytest.mark.parametrize("counts", [[9, 5], [16, 16], [1, 1]])
 def test_nccl_cublas_baseline_matches_the_reference_over_gloo(counts: list[int]) -> None:
     from megamoe.testing.ranks import spawn_ranks
 

@@ -66,7 +66,7 @@ def bench_options(args: argparse.Namespace) -> dict:
 
         others = [g for g in given if g[2:].replace("-", "_") not in FUSED_MULTI_OPTIONS]
         if others:
-            raise ValueError(f"{', '.join(others)} only apply to `megamoe bench comm`")
+            raise ValueError(f"{', '.join(others)} do not apply to `megamoe bench fused_multi`")
         tokens = parse_int_list(args.tokens) if args.tokens is not None else list(fused_multi.MULTI_TOKENS)
         fused_multi.multi_cases(tokens)  # validates them
         if args.compile_only:
@@ -75,8 +75,10 @@ def bench_options(args: argparse.Namespace) -> dict:
         if args.ranks is not None:
             raise ValueError("--ranks only applies with --compile-only (a run uses every visible GPU: "
                              "CUDA_VISIBLE_DEVICES picks them)")
-        return {"tokens": tokens, "warmup": 5 if args.warmup is None else args.warmup,
-                "iters": 20 if args.iters is None else args.iters}
+        options = {"tokens": tokens, "warmup": 5 if args.warmup is None else args.warmup,
+                   "iters": 20 if args.iters is None else args.iters}
+        bench_comm.check_comm_options(**options)
+        return options
     if args.name != "comm":
         if given:
             raise ValueError(f"{', '.join(given)} only apply to `megamoe bench comm`")
