@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -67,31 +68,27 @@ def bench_options(args: argparse.Namespace) -> dict:
         others = [g for g in given if g[2:].replace("-", "_") not in FUSED_MULTI_OPTIONS]
         if others:
             raise ValueError(f"{', '.join(others)} do not apply to `megamoe bench fused_multi`")
-        tokens = parse_int_list(args.tokens) if args.tokens is not None else list(fused_multi.MULTI_TOKENS)
-        fused_multi.multi_cases(tokens)  # validates them
-        if args.compile_only:
-            ranks = parse_int_list(args.ranks) if args.ranks is not None else list(fused_multi.MULTI_RANKS)
-            return {"tokens": tokens, "ranks": ranks}
-        if args.ranks is not None:
-            raise ValueError("--ranks only applies with --compile-only (a run uses every visible GPU: "
-                             "CUDA_VISIBLE_DEVICES picks them)")
-        options = {"tokens": tokens, "warmup": 5 if args.warmup is None else args.warmup,
-                   "iters": 20 if args.iters is None else args.iters}
-        bench_comm.check_comm_options(**options)
-        return options
+        return _per_gpu_bench_options(args, fused_multi.MULTI_TOKENS, warmup=5, iters=20)
     if args.name != "comm":
         if given:
             raise ValueError(f"{', '.join(given)} only apply to `megamoe bench comm`")
         return {}
-    tokens = parse_int_list(args.tokens) if args.tokens is not None else list(bench_comm.COMM_TOKENS)
+    return _per_gpu_bench_options(args, bench_comm.COMM_TOKENS, warmup=10, iters=50)
+
+
+def _per_gpu_bench_options(args: argparse.Namespace, tokens: Sequence[int], *, warmup: int, iters: int) -> dict:
+    """The options of a bench with one process per GPU (comm, fused_multi): the tokens per rank, and the rank counts
+    to compile for (--compile-only) or the warm-up and timed runs (a run uses every visible GPU)."""
+    from megamoe.bench import comm as bench_comm
+
+    token_list = parse_int_list(args.tokens) if args.tokens is not None else list(tokens)
     if args.compile_only:
-        ranks = parse_int_list(args.ranks) if args.ranks is not None else [2, 4, 8]
-        return {"tokens": tokens, "ranks": ranks}
+        return {"tokens": token_list, "ranks": parse_int_list(args.ranks) if args.ranks is not None else [2, 4, 8]}
     if args.ranks is not None:
         raise ValueError("--ranks only applies with --compile-only (a run uses every visible GPU: "
                          "CUDA_VISIBLE_DEVICES picks them)")
-    options = {"tokens": tokens, "warmup": 10 if args.warmup is None else args.warmup,
-               "iters": 50 if args.iters is None else args.iters}
+    options = {"tokens": token_list, "warmup": warmup if args.warmup is None else args.warmup,
+               "iters": iters if args.iters is None else args.iters}
     bench_comm.check_comm_options(**options)
     return options
 
