@@ -110,12 +110,9 @@ class _Rank:
                                        self.shape.num_topk, self.shape.hidden, routing, self.device)
 
     def fill(self, tokens: Any) -> None:
-        from test_fused_gpu import _poison
+        from test_fused_e2e_gpu import _fill
 
-        _poison(self.buf)
-        num_tokens = tokens.x.shape[0]
-        for name in ("x", "x_sf", "topk_idx", "topk_weights"):
-            getattr(self.buf, name)[:num_tokens].copy_(getattr(tokens, name))
+        _fill(self.buf, tokens.x, tokens.x_sf, tokens.topk_idx, tokens.topk_weights)
 
     def new_stats(self) -> Any:
         """Random initial recv stats (a kernel that assigned instead of adding would lose them)."""
@@ -178,6 +175,7 @@ def _scenario_back_to_back(ctx: Any, seed: int, num_calls: int) -> list[str]:
     import random
 
     import megamoe
+    from megamoe.testing.dispatch_combine import load_inputs
     from megamoe.testing.fused_ranks import ROUTINGS
 
     rank = _Rank(ctx, STRESS, seed)
@@ -192,10 +190,8 @@ def _scenario_back_to_back(ctx: Any, seed: int, num_calls: int) -> list[str]:
     stats = rank.new_stats()  # accumulates over every call
     initial = stats.clone()
     ctx.phase_barrier()
-    for counts, _, tokens in calls:
-        num_tokens = counts[ctx.rank]
-        for name in ("x", "x_sf", "topk_idx", "topk_weights"):
-            getattr(rank.buf, name)[:num_tokens].copy_(getattr(tokens, name))
+    for _, _, tokens in calls:
+        num_tokens = load_inputs(rank.buf, tokens)
         y = torch.full((num_tokens, STRESS.hidden), float("nan"), dtype=torch.bfloat16, device=rank.device)
         megamoe.fused(y, rank.l1_t, rank.l2_t, rank.buf, num_tokens, stats, check_inputs=False)
         ys.append(y)

@@ -175,6 +175,7 @@ def _case_on_rank(case: MultiCase, index: int, plan: MultiPlan, ranks: Any) -> d
     from megamoe import reference, weights
     from megamoe.bench.timing import l2_flusher, time_queued_us
     from megamoe.testing import fused_ranks
+    from megamoe.testing.dispatch_combine import load_inputs
 
     rank, num_ranks = ranks.rank, ranks.num_ranks
     e, h, i, k = MULTI_SHAPES[case.shape]
@@ -184,8 +185,7 @@ def _case_on_rank(case: MultiCase, index: int, plan: MultiPlan, ranks: Any) -> d
     natural = fused_ranks.draw_local_weights(plan.seed, rank, e // num_ranks, h, i, device)
     l1, l2 = weights.transform_weights(*natural)
     tokens = fused_ranks.draw_tokens(plan.seed + 1 + index, rank, case.tokens, e, k, h, "uniform", device)
-    for name in ("x", "x_sf", "topk_idx", "topk_weights"):
-        getattr(buf, name)[:case.tokens].copy_(getattr(tokens, name))
+    load_inputs(buf, tokens)
     y = torch.full((case.tokens, h), float("nan"), dtype=torch.bfloat16, device=device)
     megamoe.fused(y, l1, l2, buf, case.tokens)
     torch.cuda.synchronize()

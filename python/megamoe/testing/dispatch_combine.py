@@ -23,8 +23,8 @@ ROUTINGS = ("uniform", "one_expert", "other_rank", "masked")
 
 @dataclass(frozen=True)
 class RankInputs:
-    """One rank's inputs (CPU tensors): x fp8 [T, H], x_sf float32 [T, H/128], topk_idx int64 [T, topk] (global
-    expert ids, -1 unused), topk_weights float32 [T, topk]."""
+    """One rank's inputs: x fp8 [T, H], x_sf float32 [T, H/128], topk_idx int64 [T, topk] (global expert ids, -1
+    unused), topk_weights float32 [T, topk] (random_inputs: CPU tensors; testing.fused_ranks: on the rank's GPU)."""
 
     x: torch.Tensor
     x_sf: torch.Tensor

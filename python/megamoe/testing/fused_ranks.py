@@ -11,7 +11,6 @@ each (token, slot) has one non-zero contributor (exact: x + 0 = x); the source r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,21 +18,12 @@ from torch import Tensor
 
 from megamoe import reference as ref
 from megamoe.quant import per_block_cast_to_fp8, per_token_cast_to_fp8, random_routing, random_topk_weights
+from megamoe.testing.dispatch_combine import RankInputs
 from megamoe.weights import WeightPair
 
 ROUTINGS = ("uniform", "masked", "hot_expert")
 MASK_PROB = 0.1  # "masked": each slot unused (-1) with this probability
 WEIGHT_CHUNK = 16  # experts drawn (in float) at once: bounds the transient float weights
-
-
-@dataclass(frozen=True)
-class RankTokens:
-    """One rank's tokens: x e4m3 [T, H], x_sf float32 [T, H/128], topk_idx int64 [T, topk], topk_weights float32."""
-
-    x: Tensor
-    x_sf: Tensor
-    topk_idx: Tensor
-    topk_weights: Tensor
 
 
 def _generators(seed: int, rank: int, device: torch.device | str) -> tuple[torch.Generator, torch.Generator]:
@@ -60,7 +50,7 @@ def draw_local_weights(seed: int, rank: int, num_local_experts: int, hidden: int
 
 
 def draw_tokens(seed: int, rank: int, num_tokens: int, num_experts: int, num_topk: int, hidden: int,
-                routing: str, device: torch.device | str) -> RankTokens:
+                routing: str, device: torch.device | str) -> RankInputs:
     """This rank's tokens: x ~ N(0, 1) cast per token; routing (ROUTINGS): distinct uniform experts; the same with
     slots masked (-1) at MASK_PROB; or slot 0 of every token on one hot expert (the same on every rank: seed %
     num_experts) and the other slots uniform among the rest. Top-k weights positive, each row summing to 1."""
@@ -77,7 +67,7 @@ def draw_tokens(seed: int, rank: int, num_tokens: int, num_experts: int, num_top
         topk_idx = random_routing(num_tokens, num_experts, num_topk, generator=cpu_gen,
                                   mask_prob=MASK_PROB if routing == "masked" else 0.0)
     topk_weights = random_topk_weights(num_tokens, num_topk, generator=cpu_gen)
-    return RankTokens(x, x_sf, topk_idx.to(device), topk_weights.to(device))
+    return RankInputs(x, x_sf, topk_idx.to(device), topk_weights.to(device))
 
 
 def _gather(group: Any, t: Tensor, counts: list[int]) -> list[Tensor]:
@@ -91,7 +81,7 @@ def _gather(group: Any, t: Tensor, counts: list[int]) -> list[Tensor]:
     return [o[:n] for o, n in zip(out, counts)]
 
 
-def reference_y(group: Any, rank: int, num_ranks: int, tokens: RankTokens, l1: WeightPair, l2: WeightPair, *,
+def reference_y(group: Any, rank: int, num_ranks: int, tokens: RankInputs, l1: WeightPair, l2: WeightPair, *,
                 activation_clamp: float | None = None, fast_math: bool = True) -> tuple[Tensor, Tensor]:
     """(y_ref bfloat16 [T, H] of this rank's tokens, int32 [E_local]: the rows each local expert receives from every
     rank). l1 / l2: this rank's local experts in the natural layout. Collective over `group` (NCCL or gloo)."""
