@@ -105,14 +105,18 @@ class RoutedCublas:
         self.y32 = torch.empty(t + 1, h, dtype=torch.float32, device=dev)
         self.y = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
 
-    def run(self) -> torch.Tensor:
+    def expert_rows(self) -> torch.Tensor:
+        """The gather and the per-expert FFN: [E x rows, H] in the expert-major padded order (before the combine)."""
         e, c = self.pipeline.num_experts, self.rows
         torch.index_select(self.x_ext, 0, self.src_token, out=self.inputs.x.view(torch.uint8))
         sf = torch.index_select(self.x_sf_ext, 0, self.src_token)
         self.pipeline.x_sf_t.copy_(sf.view(e, c, -1).transpose(1, 2))
-        out = self.pipeline.run()
+        return self.pipeline.run().view(e * c, self.hidden)
+
+    def run(self) -> torch.Tensor:
+        out = self.expert_rows()
         self.y32.zero_()
-        self.y32.index_add_(0, self.src_token, out.view(e * c, self.hidden).float())
+        self.y32.index_add_(0, self.src_token, out.float())
         self.y.copy_(self.y32[:self.num_tokens])
         return self.y
 

@@ -127,7 +127,7 @@ class NcclCublas:
             try:
                 self.ffn = RoutedCublas(x, x_sf, dense[:, None], weight[:, None], subset, used.numel(),
                                         out_dtype=dtype, scaled_mm=scaled_mm)
-                self.ffn.pipeline.run()
+                self.ffn.expert_rows()
                 break
             except Exception as exc:
                 failures.append(f"{dtype}: {type(exc).__name__}: {exc}")
@@ -140,28 +140,30 @@ class NcclCublas:
         self.position[self.ffn.src_token[valid]] = torch.nonzero(valid).flatten()
         self.y32 = torch.empty(tokens.x.shape[0], self.hidden, dtype=torch.float32, device=tokens.x.device)
 
+    def _rows(self, recv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The received rows' x bytes [n, H] (a view) and x_sf float32 [n, H/128] (NcclRoundTrip's packing)."""
+        h = self.hidden
+        return recv[:, :h], recv[:, h:h + h // 32].contiguous().view(torch.float32)
+
     def _unpack(self, recv: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The received rows: x e4m3 [n, H], x_sf [n, H/128], top-k weight [n], local expert [n]."""
-        h, sf_bytes = self.hidden, self.hidden // 128 * 4
-        x = recv[:, :h].contiguous().view(torch.float8_e4m3fn)
-        x_sf = recv[:, h:h + sf_bytes].contiguous().view(torch.float32)
-        meta = recv[:, h + sf_bytes:h + sf_bytes + 8].contiguous().view(torch.int32)
-        return x, x_sf, meta[:, 0].contiguous().view(torch.float32), (meta[:, 1] - self.rank * self.num_local).long()
+        x, x_sf = self._rows(recv)
+        meta_at = self.hidden + self.hidden // 32
+        meta = recv[:, meta_at:meta_at + 8].contiguous().view(torch.int32)
+        return (x.contiguous().view(torch.float8_e4m3fn), x_sf, meta[:, 0].contiguous().view(torch.float32),
+                (meta[:, 1] - self.rank * self.num_local).long())
 
     def run(self) -> torch.Tensor:
         import torch.distributed as dist
 
         order, recv, in_splits, out_splits = self.trip.dispatch(fixed=True)
-        n, h = recv.shape[0], self.hidden
-        ffn = self.ffn
-        # The received rows gathered expert-major into the FFN's padded input (padding rows read row n: zeros)
-        ffn.x_ext[:n].copy_(recv[:, :h])
-        ffn.x_sf_ext[:n].copy_(recv[:, h:h + h // 32].contiguous().view(torch.float32))
-        e, c = ffn.pipeline.num_experts, ffn.rows
-        torch.index_select(ffn.x_ext, 0, ffn.src_token, out=ffn.inputs.x.view(torch.uint8))
-        ffn.pipeline.x_sf_t.copy_(torch.index_select(ffn.x_sf_ext, 0, ffn.src_token).view(e, c, -1).transpose(1, 2))
-        out = ffn.pipeline.run().view(e * c, h).index_select(0, self.position).to(torch.bfloat16)
-        back = torch.empty(sum(in_splits), h, dtype=torch.bfloat16, device=out.device)
+        n, ffn = recv.shape[0], self.ffn
+        # The received rows into the FFN's inputs, gathered expert-major there (padding rows read row n: zeros)
+        x, x_sf = self._rows(recv)
+        ffn.x_ext[:n].copy_(x)
+        ffn.x_sf_ext[:n].copy_(x_sf)
+        out = ffn.expert_rows().index_select(0, self.position).to(torch.bfloat16)
+        back = torch.empty(sum(in_splits), self.hidden, dtype=torch.bfloat16, device=out.device)
         dist.all_to_all_single(back, out, in_splits, out_splits, group=self.trip.group)
         self.y32.zero_()
         self.y32.index_add_(0, order // self.num_topk, back.float())
