@@ -74,13 +74,10 @@ def measure(config: ef.ExpertFfnConfig, seed: int) -> SeedResult:
         worst.acc_err = max(worst.acc_err, ((acc - ref_acc).abs().max() / rms).item())
         # The test's excess (on the code's own SF), located: (row, column) of its maximum in this expert; and the
         # same on the expected SF's scale
-        q, sf = outputs.l2_acts[rows], outputs.l2_acts_sf[:, rows].t().double()
-        groups = inter.act.double().unflatten(1, (-1, 64))
-        amax = groups.abs().amax(dim=2, keepdim=True)
-        scaled = (groups / sf.unsqueeze(2)).flatten(1)
-        beyond = (q.float().double() - scaled).abs() - efc.fp8_half_step(scaled)
-        ref_scaled = (groups / inter.l2_act_sf.double().unsqueeze(2)).flatten(1)
-        ref_beyond = (q.float().double() - ref_scaled).abs() - efc.fp8_half_step(ref_scaled)
+        q = outputs.l2_acts[rows]
+        beyond, _ = efc.code_beyond(q, outputs.l2_acts_sf[:, rows].t(), inter.act)
+        ref_beyond, _ = efc.code_beyond(q, inter.l2_act_sf, inter.act)
+        amax = inter.act.double().unflatten(1, (-1, 64)).abs().amax(dim=2, keepdim=True)
         worst.ref_scale_excess = max(worst.ref_scale_excess, ref_beyond.max().item() / efc.FP8_MAX)
         flat = int(beyond.argmax())
         r, c = divmod(flat, inter_i)

@@ -51,6 +51,13 @@ def fp8_half_step(s: Tensor) -> Tensor:
     return spacing / 2
 
 
+def code_beyond(q: Tensor, sf: Tensor, act: Tensor) -> tuple[Tensor, Tensor]:
+    """(beyond, s) float64 [n, I]: s = act / sf, the unrounded value on the scale sf [n, I/64] of the codes q e4m3
+    [n, I], and |q - s| less half the e4m3 step at s (> 0: the code lies beyond the rounding of s)."""
+    scaled = (act.double().unflatten(1, (-1, 64)) / sf.double().unsqueeze(2)).flatten(1)
+    return (q.float().double() - scaled).abs() - fp8_half_step(scaled), scaled
+
+
 @dataclass
 class CodeStats:
     """FP8 activation codes (and their SFs) against an expected requantization of an fp32 activation `act`."""
@@ -74,8 +81,7 @@ class CodeStats:
         # of the group's amax, which the SF check bounds on its own: a random-tier case (H 4096, I 2048) whose SF was
         # 1.92e-3 off (within RANDOM_SF_REL_ERR) moved a value near the 416 / 448 midpoint by 0.83 and counted
         # 2.09e-3 amax of excess, with every accumulator within its usual error (scripts/ffn_code_excess.py).
-        scaled = (act.double().unflatten(1, (-1, 64)) / sf.double().unsqueeze(2)).flatten(1)
-        beyond = (q.float().double() - scaled).abs() - fp8_half_step(scaled)
+        beyond, scaled = code_beyond(q, sf, act)
         self.excess = max(self.excess, _worst(beyond) / FP8_MAX)
         if bool((distance >= 2).any()):
             self.multi_step_magnitude = max(self.multi_step_magnitude,
