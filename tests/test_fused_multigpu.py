@@ -246,7 +246,7 @@ def _scenario_peer_never_arrives(ctx: Any, seed: int) -> list[str]:
 
     from megamoe.fused import prepare
     from megamoe.fused import run as fused_run
-    from megamoe.jit.diagnostics import timeout_records
+    from megamoe.testing.ranks import expect_barrier_timeout
 
     rank = _Rank(ctx, STRESS, seed)
     # NOTES: after the trap, freeing symmetric memory raises inside a destructor (std::terminate) before this rank
@@ -266,21 +266,8 @@ def _scenario_peer_never_arrives(ctx: Any, seed: int) -> list[str]:
         ctx.release.wait(300)
         time.sleep(TIMEOUT_S * 10)  # the other ranks (beyond rank 0) trap about as late as rank 0
         return []
-    started = time.perf_counter()
-    try:
-        fused_run(y, rank.l1_t, rank.l2_t, rank.buf, num_tokens, timeout_s=TIMEOUT_S)
-        torch.cuda.synchronize()
-        return [f"rank {ctx.rank}: the kernel completed although rank 1 never launched"]
-    except Exception as exc:  # the trap poisons the context: every later CUDA call fails too
-        failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    elapsed = time.perf_counter() - started
-    reports = [str(r) for r in timeout_records().reports()]
-    errors = []
-    if not any("timed out at 'nvl_dispatch'" in r and r.startswith(f"rank {ctx.rank} ") for r in reports):
-        errors.append(f"rank {ctx.rank}: no nvl_dispatch timeout report (failure {failure!r}, reports {reports})")
-    if not TIMEOUT_S <= elapsed < TIMEOUT_S * 10 + 30:
-        errors.append(f"rank {ctx.rank}: failed after {elapsed:.1f} s with a {TIMEOUT_S} s timeout")
-    return errors
+    return expect_barrier_timeout(
+        ctx.rank, lambda: fused_run(y, rank.l1_t, rank.l2_t, rank.buf, num_tokens, timeout_s=TIMEOUT_S), TIMEOUT_S)
 
 
 _SCENARIOS = {"matrix": _scenario_matrix, "back_to_back": _scenario_back_to_back, "graph": _scenario_graph,
@@ -326,13 +313,19 @@ def _spawn(scenario: str, timeout_s: float = HARNESS_TIMEOUT_S, num_ranks: int |
 GLOO_SHAPE = (8, 256, 128, 3)  # experts, hidden, intermediate, top-k of the cpu test
 
 
-def _gloo_reference(ctx: Any, seed: int, counts: list[int], routing: str) -> tuple[list[int], list[int]]:
+def _gloo_draw(seed: int, rank: int, counts: list[int], routing: str) -> tuple[tuple, Any]:
+    """(natural local weights, tokens) of one rank of the cpu test."""
     from megamoe.testing import fused_ranks
 
     num_experts, hidden, intermediate, num_topk = GLOO_SHAPE
-    l1, l2 = fused_ranks.draw_local_weights(seed, ctx.rank, num_experts // ctx.num_ranks, hidden, intermediate, "cpu")
-    tokens = fused_ranks.draw_tokens(seed + 1, ctx.rank, counts[ctx.rank], num_experts, num_topk, hidden, routing,
-                                     "cpu")
+    weights = fused_ranks.draw_local_weights(seed, rank, num_experts // len(counts), hidden, intermediate, "cpu")
+    return weights, fused_ranks.draw_tokens(seed + 1, rank, counts[rank], num_experts, num_topk, hidden, routing, "cpu")
+
+
+def _gloo_reference(ctx: Any, seed: int, counts: list[int], routing: str) -> tuple[list[int], list[int]]:
+    from megamoe.testing import fused_ranks
+
+    (l1, l2), tokens = _gloo_draw(seed, ctx.rank, counts, routing)
     y, recv = fused_ranks.reference_y(ctx.group, ctx.rank, ctx.num_ranks, tokens, l1, l2)
     return y.view(torch.int16).flatten().tolist(), recv.tolist()
 
@@ -343,17 +336,13 @@ def test_distributed_reference_matches_reference_moe(counts: list[int], routing:
     """cpu tier: the per-rank reference across 2 and 4 gloo ranks equals `reference.moe` over every rank's inputs,
     bit for bit, y and recv stats."""
     from megamoe import reference
-    from megamoe.testing import fused_ranks
     from megamoe.testing.ranks import spawn_ranks
 
     seed, num_ranks = 7, len(counts)
-    num_experts, hidden, intermediate, num_topk = GLOO_SHAPE
+    num_experts = GLOO_SHAPE[0]
     got = spawn_ranks(num_ranks, _gloo_reference, seed, counts, routing, backend="gloo", what="reference",
                       timeout_s=120)
-    weights = [fused_ranks.draw_local_weights(seed, r, num_experts // num_ranks, hidden, intermediate, "cpu")
-               for r in range(num_ranks)]
-    tokens = [fused_ranks.draw_tokens(seed + 1, r, counts[r], num_experts, num_topk, hidden, routing, "cpu")
-              for r in range(num_ranks)]
+    weights, tokens = zip(*(_gloo_draw(seed, r, counts, routing) for r in range(num_ranks)))
     stats = [torch.zeros(num_experts // num_ranks, dtype=torch.int32) for _ in range(num_ranks)]
     ys = reference.moe([t.x for t in tokens], [t.x_sf for t in tokens], [t.topk_idx for t in tokens],
                        [t.topk_weights for t in tokens], [w[0] for w in weights], [w[1] for w in weights],

@@ -180,3 +180,27 @@ def gather_case_records(ranks: RankContext, cases: Sequence[Any], case_fn: Calla
     gathered: list | None = [None] * ranks.num_ranks if ranks.rank == 0 else None
     dist.gather_object(records, gathered, dst=0, group=ranks.cpu_group)
     return gathered
+
+
+def expect_barrier_timeout(rank: int, launch: Callable[[], Any], timeout_s: float,
+                           site: str = "nvl_dispatch") -> list[str]:
+    """Launch a kernel whose peer never arrives (the multigpu tiers' absent-rank scenarios; no NCCL communicator
+    may be alive here, see their NOTES): it must trap after about `timeout_s`, with a host record from this rank
+    naming `site`. Returns the errors (empty: as expected)."""
+    from megamoe.jit.diagnostics import timeout_records
+
+    started = time.perf_counter()
+    try:
+        launch()
+        torch.cuda.synchronize()
+        return [f"rank {rank}: the kernel completed although its peer never launched"]
+    except Exception as exc:  # the trap poisons the context: every later CUDA call fails too
+        failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    elapsed = time.perf_counter() - started
+    reports = [str(r) for r in timeout_records().reports()]
+    errors = []
+    if not any(f"timed out at '{site}'" in r and r.startswith(f"rank {rank} ") for r in reports):
+        errors.append(f"rank {rank}: no {site} timeout report (failure {failure!r}, reports {reports})")
+    if not timeout_s <= elapsed < timeout_s * 10 + 30:
+        errors.append(f"rank {rank}: failed after {elapsed:.1f} s with a {timeout_s} s timeout")
+    return errors
