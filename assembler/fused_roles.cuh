@@ -150,10 +150,10 @@ MEGAMOE_DEVICE void tma_a_role(const FusedContext<T>& ctx) {
     bool waited_all = false;
     for (uint32_t task_count = 0, task_idx = ctx.cta_idx(); scheduler.seek(task_idx, task);
          ++ task_count, task_idx = claims.next()) {
-        const uint32_t slot_idx = queue_state.stage;
+        const uint32_t slot_idx = queue_state.stage, slot_phase = queue_state.phase;
         ctx.tasks.push(tiered_env(ctx.env, kTierPipeline, kRoleProducer), queue_state, pack_task(task));
         if (task.phase == FusedPhase::kL2) {
-            ctx.tile_weights.skip(slot_idx);
+            ctx.tile_weights.skip(tiered_env(ctx.env, kTierPipeline, kRoleProducer), slot_idx, slot_phase);
             ctx.l2_tasks.push(tiered_env(ctx.env, kTierPipeline, kRoleProducer), l2_queue_state, pack_task(task));
         }
         const uint32_t pool_row = task.pool_block_idx * T::BLOCK_M;

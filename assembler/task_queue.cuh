@@ -132,9 +132,14 @@ struct TileWeights {
         ptx::mbarrier_arrive_expect_tx(barriers() + slot, kSlotBytes);
         ptx::bulk_load_1d(weights(slot), src, kSlotBytes, barriers() + slot);
     }
-    // The TMA-A warp's lane, for any other task it pushed into `slot`.
-    MEGAMOE_DEVICE void skip(uint32_t slot) const {
+    // The TMA-A warp's lane, for any other task it pushed into `slot` (phase: the slot's). It completes the phase
+    // and waits for it itself, which returns at once.
+    // NOTES: the wait is for compute-sanitizer's synccheck, which reports an arrival on a barrier whose previous
+    // phase completed unwaited ("Missing wait") and stops the kernel there: without it, the next task in the slot
+    // arrived on a phase that no math thread waits for (they wait for the weights of L1 tasks only).
+    MEGAMOE_DEVICE void skip(const DeviceEnv& env, uint32_t slot, uint32_t phase) const {
         ptx::mbarrier_arrive_if_at(smem_addr(barriers() + slot), true);
+        ptx::mbarrier_wait<false>(env, "weights_skip", barriers() + slot, phase);
     }
     // Math threads, for the L1 task in `slot` (phase: the slot's).
     MEGAMOE_DEVICE void wait(const DeviceEnv& env, uint32_t slot, uint32_t phase) const {
