@@ -12,7 +12,7 @@ python3 -m megamoe.cli jit warm > /dev/null
 python3 -m megamoe.cli bench comm --compile-only > /dev/null
 python3 -m megamoe.cli bench fused_multi --compile-only > /dev/null
 # The dispatch/combine tests' own variants (their compile tier lists every variant the gpu and multigpu tiers launch)
-python3 -m pytest -q -m compile -p no:cacheprovider tests/test_dispatch_combine.py tests/test_fused_gpu.py tests/test_fused_e2e_gpu.py tests/test_virtual_ranks_gpu.py tests/test_serving_compat_gpu.py tests/test_fused_multigpu.py > /dev/null
+python3 -m pytest -q -m compile -p no:cacheprovider tests/test_dispatch_combine.py tests/test_fused_gpu.py tests/test_fused_e2e_gpu.py tests/test_virtual_ranks_gpu.py tests/test_serving_compat_gpu.py tests/test_fused_multigpu.py tests/test_fused_sanitizers_gpu.py > /dev/null
 if [ $# -gt 0 ]; then "$@" > /dev/null; fi
 rm -rf .jit-carry
 python3 - "$stamp" <<'PY'

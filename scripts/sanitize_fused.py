@@ -12,6 +12,7 @@ import torch
 
 from megamoe import reference, weights
 from megamoe.buffer import allocate
+from megamoe.fused import compile_fused, config_for
 from megamoe.fused.launch import run
 from megamoe.layout import SymmLayout
 
@@ -22,11 +23,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the routing and inputs' draw")
     parser.add_argument("--max-rel-l2", type=float, default=1e-2,
                         help="y's bound against the reference (tests/test_fused_gpu.py: max_y_rel_l2)")
+    parser.add_argument("--compile-only", action="store_true", help="build the variant the call launches, no GPU")
     args = parser.parse_args()
     num_tokens, hidden, intermediate, num_experts, num_topk = 64, 1024, 512, 8, 6
+    layout = SymmLayout.create(1, num_experts, 128, num_topk, hidden, intermediate)
+    if args.compile_only:
+        config = config_for(layout, expected_tokens_per_expert=args.expected_tokens_per_expert)
+        compile_fused(config)
+        print(f"sanitize_fused: {config.name} compiled")
+        return
     rc = reference.random_case(num_tokens, hidden, intermediate, num_experts, num_topk, mask_prob=0.1,
                                generator=torch.Generator().manual_seed(args.seed), device="cuda")
-    buf = allocate(None, SymmLayout.create(1, num_experts, 128, num_topk, hidden, intermediate), torch.device("cuda"))
+    buf = allocate(None, layout, torch.device("cuda"))
     l1, l2 = weights.transform_weights(rc.l1_weights[0], rc.l2_weights[0])
     for name, value in (("x", rc.x[0]), ("x_sf", rc.x_sf[0]), ("topk_idx", rc.topk_idx[0]),
                         ("topk_weights", rc.topk_weights[0])):

@@ -35,8 +35,20 @@ def _sanitizer() -> str | None:
     return str(candidate) if candidate.exists() else None
 
 
+VARIANT_ARGS = {"default": [], "decode": ["--expected-tokens-per-expert", "8"]}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("variant", list(VARIANT_ARGS))
+def test_fused_sanitizer_variants_compile(variant: str) -> None:
+    """compile tier: the variants the sanitizer runs launch build (so the carried JIT cache holds them)."""
+    command = [sys.executable, str(REPO / "scripts" / "sanitize_fused.py"), "--compile-only", *VARIANT_ARGS[variant]]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=RUN_LIMIT_S)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stdout + result.stderr
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["default", "decode"])
+@pytest.mark.parametrize("variant", list(VARIANT_ARGS))
 @pytest.mark.parametrize("tool", list(CLEAN_SUMMARY))
 def test_fused_kernel_sanitizer_clean(tool: str, variant: str) -> None:
     sanitizer = _sanitizer()
@@ -46,8 +58,7 @@ def test_fused_kernel_sanitizer_clean(tool: str, variant: str) -> None:
     command = [sanitizer, "--report-api-errors", "no", "--error-exitcode", "9", "--tool", tool, sys.executable,
                str(REPO / "scripts" / "sanitize_fused.py"), "--seed", str(seed),
                "--max-rel-l2", str(max_y_rel_l2(NUM_TOKENS))]
-    if variant == "decode":
-        command += ["--expected-tokens-per-expert", "8"]
+    command += VARIANT_ARGS[variant]
     env = dict(os.environ, MEGAMOE_TIMEOUT_S=str(SANITIZER_TIMEOUT_S))
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_LIMIT_S)
     output = result.stdout + result.stderr
