@@ -6,7 +6,6 @@ synccheck stops a kernel at its first barrier error, so a protocol slip shows he
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,15 +27,6 @@ CLEAN_SUMMARY = {"memcheck": "ERROR SUMMARY: 0 errors", "synccheck": "ERROR SUMM
 VARIANT_ARGS = {"default": [], "decode": ["--expected-tokens-per-expert", "8"]}
 
 
-def _sanitizer() -> str | None:
-    found = shutil.which("compute-sanitizer")
-    if found is not None:
-        return found
-    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    candidate = Path(cuda_home) / "bin" / "compute-sanitizer"
-    return str(candidate) if candidate.exists() else None
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("variant", list(VARIANT_ARGS))
 def test_fused_sanitizer_variants_compile(variant: str) -> None:
@@ -50,9 +40,11 @@ def test_fused_sanitizer_variants_compile(variant: str) -> None:
 @pytest.mark.parametrize("variant", list(VARIANT_ARGS))
 @pytest.mark.parametrize("tool", list(CLEAN_SUMMARY))
 def test_fused_kernel_sanitizer_clean(tool: str, variant: str) -> None:
-    sanitizer = _sanitizer()
+    from megamoe.jit.compiler import find_toolkit_tool
+
+    sanitizer = find_toolkit_tool("compute-sanitizer")
     if sanitizer is None:
-        pytest.skip("compute-sanitizer not found (CUDA toolkit's bin, or CUDA_HOME)")
+        pytest.skip("compute-sanitizer not found (beside nvcc, CUDA_HOME's bin, or PATH)")
     seed = _seed()
     command = [sanitizer, "--report-api-errors", "no", "--error-exitcode", "9", "--tool", tool, sys.executable,
                str(REPO / "scripts" / "sanitize_fused.py"), "--seed", str(seed),

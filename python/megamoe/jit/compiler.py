@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,22 +161,29 @@ def parse_ptxas_report(log: str) -> tuple[tuple[FunctionReport, ...], tuple[str,
     return functions, warnings
 
 
-def find_cuobjdump() -> str | None:
-    """cuobjdump from the CUDA toolkit, PATH, or the nvidia-cuda-cuobjdump wheel (CPU machines)."""
-    candidates = [Path(envs.nvcc_path()).parent / "cuobjdump", shutil.which("cuobjdump")]
-    try:
-        import nvidia  # the nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm wheels install under nvidia/cu13/bin
-
-        candidates += [Path(p) / "cu13" / "bin" / "cuobjdump" for p in nvidia.__path__]
-    except ImportError:
-        pass
+def find_toolkit_tool(name: str, extra: Sequence[Path] = ()) -> str | None:
+    """A CUDA toolkit executable: beside the nvcc in use (envs.nvcc_path), on PATH, in `extra`, or beside the
+    resolved nvcc on PATH; None when none is found."""
+    candidates: list[Path | str | None] = [Path(envs.nvcc_path()).parent / name, shutil.which(name), *extra]
     nvcc = shutil.which(envs.nvcc_path())
     if nvcc:
-        candidates.append(Path(nvcc).resolve().parent / "cuobjdump")
+        candidates.append(Path(nvcc).resolve().parent / name)
     for c in candidates:
         if c and Path(c).is_file() and os.access(c, os.X_OK):
             return str(c)
     return None
+
+
+def find_cuobjdump() -> str | None:
+    """cuobjdump from the CUDA toolkit, PATH, or the nvidia-cuda-cuobjdump wheel (CPU machines)."""
+    wheels: list[Path] = []
+    try:
+        import nvidia  # the nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm wheels install under nvidia/cu13/bin
+
+        wheels = [Path(p) / "cu13" / "bin" / "cuobjdump" for p in nvidia.__path__]
+    except ImportError:
+        pass
+    return find_toolkit_tool("cuobjdump", wheels)
 
 
 def disassemble(cubin_path: Path) -> str | None:
