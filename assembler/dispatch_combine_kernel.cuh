@@ -196,17 +196,18 @@ MEGAMOE_DEVICE void dispatch_combine_impl(const SymBuffer& sym, uint32_t num_tok
 
     const auto sync_cta = []() { __syncthreads(); };
     const BarrierWords words = assembler::barrier_words(sym);
-    // NOTES: kLeanSync: every thread reads the NVLink barrier counter here, before its CTA's first grid-sync
-    // arrival; CTA 0 moves it only after that grid sync (nvlink_barrier_polled), and earlier calls' moves are
-    // ordered by the kernel boundary.
-    const uint32_t nvl_ordinal = T::kLeanSync ? *words.nvl_counter : 0u;
+    // NOTES: every thread reads the NVLink barrier counter here, before its CTA's first grid-sync arrival; CTA 0
+    // moves it only after that grid sync (both barriers: nvlink_barrier, nvlink_barrier_polled), and earlier
+    // calls' moves are ordered by the kernel boundary. Its low bit is the call's count parity (regions.cuh).
+    const uint32_t nvl_ordinal = *words.nvl_counter;
+    const uint32_t parity = nvl_ordinal & 1u;
     __syncthreads();
 
     // Dispatch: count, reserve slots, notify; the dispatch barrier; the receive table and recv stats
     const assembler::HeadArgs head{num_tokens, expert_count, table, recv_stats, nullptr,
                                    (debug_flags & T::kDebugHangAtDispatchBarrier) != 0};
     assembler::dispatch_head<T::kNumThreads, T::kBlockM, true, T::kTablePrefetch, T::kLeanSync>(
-        env, sym, head, [&]() { return nvl_ordinal; }, cta_idx, num_ctas, thread_idx,
+        env, sym, head, [&]() { return nvl_ordinal; }, parity, cta_idx, num_ctas, thread_idx,
         [&](uint32_t i) { timer.mark(i, lane); });
 
     // Pull the received rows into the pool, then run the expert on them
@@ -231,16 +232,18 @@ MEGAMOE_DEVICE void dispatch_combine_impl(const SymBuffer& sym, uint32_t num_tok
         // cleans the counters and lets the peers past this call
         combine::reduce_token_chunks<T::kReduceVecs, true>(env, sym, num_tokens, y, warp_rank, num_warps);
         timer.mark(6, lane);
-        assembler::combine_tail<T::kNumThreads, true>(env, sym, nvl_ordinal + 1u, cta_idx, num_ctas, thread_idx);
+        assembler::combine_tail<T::kNumThreads, true>(env, sym, nvl_ordinal + 1u, parity, cta_idx, num_ctas,
+                                                        thread_idx);
     } else {
         if constexpr (T::kLeanSync) {
             // One grid sync: CTA 0 zeroes the receive counts before it signals, every CTA the local counters while
             // it waits (combine/clean.cuh: clean_recv_counts, clean_local_counters)
-            assembler::combine_tail<T::kNumThreads, true>(env, sym, nvl_ordinal + 1u, cta_idx, num_ctas, thread_idx);
+            assembler::combine_tail<T::kNumThreads, true>(env, sym, nvl_ordinal + 1u, parity, cta_idx, num_ctas,
+                                                          thread_idx);
         } else {
             // Clean the counters once nobody here reads them, then meet the peers: their rows have landed here
             grid_sync(env, "gs_clean", words.grid_counter, cta_idx, num_ctas, thread_idx == 0, sync_cta);
-            combine::clean_workspace<T::kNumThreads>(sym, cta_idx, num_ctas, thread_idx);
+            combine::clean_workspace<T::kNumThreads>(sym, parity, cta_idx, num_ctas, thread_idx);
             nvlink_barrier(env, BarrierTags{"gs0_combine", "nvl_combine", "gs1_combine"}, sym, words, cta_idx,
                            num_ctas, thread_idx, sync_cta, true);
         }

@@ -1,8 +1,9 @@
 // The communication phases every kernel of the project runs the same way, on every thread of every CTA: the head
-// (count + reserve + notify, the dispatch NVLink barrier, the receive table, recv stats) and the tail (the combine
-// NVLink barrier with the workspace clean). The fused kernel (fused_kernel.cuh) and the dispatch/combine unit
-// kernel (dispatch_combine_kernel.cuh) both call these; they differ only in the timeout policy and environment
-// they pass (kPrint: no printf reachable beside WGMMA, DESIGN 5c) and in the profiling marks.
+// (the head's clean, count + reserve + notify, the dispatch NVLink barrier, the receive table, recv stats) and, in
+// the dispatch/combine unit kernel only, the tail (the combine NVLink barrier with the workspace clean). The fused
+// kernel (fused_kernel.cuh) and the unit kernel (dispatch_combine_kernel.cuh) both run the head; they differ only
+// in the timeout policy and environment they pass (kPrint: no printf reachable beside WGMMA, DESIGN 5c) and in the
+// profiling marks.
 #pragma once
 
 #include "combine/clean.cuh"
@@ -29,21 +30,22 @@ struct HeadArgs {
     bool debug_hang;          // the dispatch barrier waits for a value it never reaches
 };
 
-// Head, every thread (kPrint: timeouts printf and the count asserts; else records only and error flags): count,
-// reserve, notify; the dispatch barrier; the receive table (every CTA; kTablePrefetch:
+// Head, every thread (kPrint: timeouts printf and the count asserts; else records only and error flags): the
+// head's clean; count, reserve, notify; the dispatch barrier; the receive table (every CTA; kTablePrefetch:
 // the counts read by every thread first) and recv stats (CTA 0). `mark(i)` after phase i (1: notify, 2: barrier,
 // 3: table), for profiling. `nvl_ordinal`: the NVLink barrier counter each thread read before its CTA's first
-// grid-sync arrival (nvlink_barrier_polled).
+// grid-sync arrival (nvlink_barrier_polled). `parity`: its low bit, the call's count buffers (dispatch/regions.cuh).
 // kPolledBarrier = false: the first version's NVLink barrier (nvlink_barrier, three grid syncs), kept for the unit
 // kernel's legacy knobs.
 template <uint32_t kNumThreads, uint32_t kBlockM, bool kPrint, bool kTablePrefetch = true, bool kPolledBarrier = true,
           typename NvlOrdinal, typename Mark>
 MEGAMOE_DEVICE void dispatch_head(const DeviceEnv& env, const SymBuffer& sym, const HeadArgs& args,
-                                  const NvlOrdinal& nvl_ordinal, uint32_t cta_idx, uint32_t num_ctas,
-                                  uint32_t thread_idx, const Mark& mark) {
+                                  const NvlOrdinal& nvl_ordinal, uint32_t parity, uint32_t cta_idx,
+                                  uint32_t num_ctas, uint32_t thread_idx, const Mark& mark) {
     const auto sync_cta = []() { __syncthreads(); };
-    dispatch::count_and_notify<kNumThreads, kPrint>(sym, args.num_tokens, args.expert_count, cta_idx, num_ctas,
-                                                    thread_idx, sync_cta, args.error_flags);
+    combine::clean_at_head<kNumThreads>(sym, parity, cta_idx, num_ctas, thread_idx);
+    dispatch::count_and_notify<kNumThreads, kPrint>(sym, parity, args.num_tokens, args.expert_count, cta_idx,
+                                                    num_ctas, thread_idx, sync_cta, args.error_flags);
     mark(1);
     if constexpr (kPolledBarrier) {
         nvlink_barrier_polled<kPrint>(env, BarrierTags{"gs0_dispatch", "nvl_dispatch", ""}, sym, barrier_words(sym),
@@ -56,27 +58,28 @@ MEGAMOE_DEVICE void dispatch_head(const DeviceEnv& env, const SymBuffer& sym, co
     }
     mark(2);
     if constexpr (kTablePrefetch) {
-        dispatch::prefetch_recv_counts<kNumThreads>(args.table, sym, thread_idx);
+        dispatch::prefetch_recv_counts<kNumThreads>(args.table, sym, parity, thread_idx);
         __syncthreads();
     }
     if (thread_idx < 32)
-        dispatch::build_recv_table<kBlockM, kTablePrefetch>(args.table, sym, thread_idx);
+        dispatch::build_recv_table<kBlockM, kTablePrefetch>(args.table, sym, parity, thread_idx);
     __syncthreads();
     if (cta_idx == 0)
         dispatch::add_recv_stats<kNumThreads>(args.table, args.recv_stats, thread_idx);
     mark(3);
 }
 
-// Tail, every thread: every rank's rows have been reduced where they belong; clean this call's counters and meet
-// the peers (the clean folded into the combine barrier: combine/clean.cuh). `nvl_ordinal`: the head's + 1.
+// The unit kernel's tail, every thread: every rank's rows have been reduced where they belong; clean this call's
+// counters and meet the peers (the clean folded into the combine barrier: combine/clean.cuh). `nvl_ordinal`: the
+// head's + 1; `parity`: the head's. (The fused kernel has no tail: its head cleans, clean_at_head.)
 template <uint32_t kNumThreads, bool kPrint>
-MEGAMOE_DEVICE void combine_tail(const DeviceEnv& env, const SymBuffer& sym, uint32_t nvl_ordinal,
+MEGAMOE_DEVICE void combine_tail(const DeviceEnv& env, const SymBuffer& sym, uint32_t nvl_ordinal, uint32_t parity,
                                  uint32_t cta_idx, uint32_t num_ctas, uint32_t thread_idx) {
     nvlink_barrier_polled<kPrint>(
         env, BarrierTags{"gs0_combine", "nvl_combine", ""}, sym, barrier_words(sym), nvl_ordinal, cta_idx,
         num_ctas, thread_idx, []() { __syncthreads(); },
-        [&]() { combine::clean_recv_counts<kNumThreads>(sym, thread_idx); },
-        [&]() { combine::clean_local_counters<kNumThreads>(sym, cta_idx, num_ctas, thread_idx); });
+        [&]() { combine::clean_recv_counts<kNumThreads>(sym, parity, thread_idx); },
+        [&]() { combine::clean_local_counters<kNumThreads>(sym, parity, cta_idx, num_ctas, thread_idx); });
 }
 
 }  // namespace megamoe::assembler

@@ -10,7 +10,14 @@
 //                         only)
 //     dispatch warp 0     after its pulls, the scatter warp (l2_handoff.cuh): each L2 tile's 256 B slices to the
 //                         source ranks' combine rows, the pool block's tile count, the completing tile's signals
-//   tail (every thread)   NVLink barrier "combine" with the workspace clean
+//   no tail               the next call's head cleans (combine/clean.cuh: clean_at_head); a CTA ends after its
+//                         reduce
+//
+// NOTES: why the call needs no barrier at its end. y is complete once this rank's reduce has counted every row's
+// arrival, and every row was pulled from this rank's inputs (x, SF, weights, source indices) before its combine row
+// came back, so the caller may rewrite them. What a barrier would order is the next call: a fast peer's notify
+// (into the other parity's receive counts, zeroed in this call's head) and its combine rows (after the next
+// dispatch barrier, which this rank joins only after its head has zeroed the local counters).
 //
 // Task order and the deadlock-freedom argument: fused_scheduler.cuh. Every wait reports through the host-mapped
 // record of its (SM, role) and traps, never printf (a call reachable here makes ptxas serialize the WGMMAs).
@@ -23,8 +30,8 @@
 
 namespace megamoe::assembler {
 
-// Head, every thread: init the ring and pull barriers; count, reserve, notify; the dispatch barrier; the receive
-// table (every CTA) and recv stats (CTA 0). Leaves the NVLink barrier ordinal in shared memory for the tail.
+// Head, every thread: init the ring and pull barriers; the head's clean; count, reserve, notify; the dispatch
+// barrier; the receive table (every CTA) and recv stats (CTA 0).
 template <typename T>
 MEGAMOE_DEVICE void fused_head(const FusedContext<T>& ctx) {
     constexpr uint32_t kNumThreads = megamoe::kNumThreads;
@@ -50,10 +57,11 @@ MEGAMOE_DEVICE void fused_head(const FusedContext<T>& ctx) {
     }
     // NOTES: every thread reads the NVLink barrier counter before its CTA's first grid-sync arrival; CTA 0 moves
     // it only after that grid sync (nvlink_barrier_polled), and earlier calls' moves are ordered by the kernel
-    // boundary. Thread 0 keeps it in shared memory for the tail (published by the CTA barriers in between); the
-    // head's barrier reads it again after the count, just before that grid sync (dispatch_head's getter): held in
-    // a register through the count, it spilled 4 B at BLOCK_M 128, and read from shared memory there, ptxas
-    // allocated the math region differently and spilled 216 B (notes/fused.md, "Spills: the report out of line").
+    // boundary. Thread 0 keeps it in shared memory for the call's parity (published by the CTA barrier below);
+    // the head's barrier reads it again after the count, just before that grid sync (dispatch_head's getter):
+    // held in a register through the count, it spilled 4 B at BLOCK_M 128, and read from shared memory there,
+    // ptxas allocated the math region differently and spilled 216 B (notes/fused.md, "Spills: the report out of
+    // line").
     if (thread_idx == 0) {
         ctx.misc[0] = *barrier_words(sym).nvl_counter;
         ctx.misc[1] = cta_idx;
@@ -65,17 +73,9 @@ MEGAMOE_DEVICE void fused_head(const FusedContext<T>& ctx) {
                         sym.local<uint32_t>(layout::kWorkspaceHeaderOffset) + layout::kErrorFlagsIdx,
                         (ctx.p.debug_flags & kDebugHangAtDispatchBarrier) != 0};
     dispatch_head<kNumThreads, T::BLOCK_M, false>(tiered_env(ctx.env, kTierPeer, kRoleCommon), sym, head,
-                                                  [&]() { return *barrier_words(sym).nvl_counter; }, cta_idx,
-                                                  num_ctas, thread_idx, [](uint32_t) {});
-}
-
-// Tail, every thread: every rank's rows have been reduced where they belong; clean this call's counters and meet
-// the peers (the clean folded into the combine barrier: combine/clean.cuh).
-template <typename T>
-MEGAMOE_DEVICE void fused_tail(const FusedContext<T>& ctx) {
-    combine_tail<megamoe::kNumThreads, false>(tiered_env(ctx.env, kTierArrival, kRoleCommon), ctx.sym,
-                                              ld_volatile_shared(ctx.misc) + 1u, ctx.cta_idx(), ctx.num_ctas(),
-                                              threadIdx.x);
+                                                  [&]() { return *barrier_words(sym).nvl_counter; },
+                                                  ctx.misc[0] & 1u, cta_idx, num_ctas, thread_idx,
+                                                  [](uint32_t) {});
 }
 
 // NOTES: each phase builds its own context from kernel constants (parameters, the shared-memory base): a
@@ -109,9 +109,12 @@ MEGAMOE_DEVICE void fused_impl(const FusedMaps& maps, const SymBuffer& sym, cons
     // (marked here, after the roles: a mark inside the math role, even after its tile loop, made ptxas spill in it)
     if (warp_idx() == kFirstMathThread / 32)
         PhaseTimer{p.phase_times}.mark(kMarkReduce, lane_idx());
-    fused_tail<T>(FusedContext<T>(maps, sym, p, env, smem_buffer));
-    if (threadIdx.x < 32)
-        PhaseTimer{p.phase_times}.mark(kMarkEnd, lane_idx());
+    // The CTA's end: every role done (the only CTA barrier after the role split; marks only)
+    if (p.phase_times != nullptr) {
+        __syncthreads();
+        if (threadIdx.x < 32)
+            PhaseTimer{p.phase_times}.mark(kMarkEnd, lane_idx());
+    }
 }
 
 }  // namespace megamoe::assembler

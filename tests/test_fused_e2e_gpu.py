@@ -19,7 +19,7 @@ from megamoe import heuristics, quant, reference, weights  # noqa: E402
 from megamoe.bench.timing import graphed  # noqa: E402
 from megamoe.buffer import allocate  # noqa: E402
 from megamoe.layout import SymmLayout  # noqa: E402
-from test_fused_gpu import _poison, _seed, assert_workspace_clean, max_y_rel_l2  # noqa: E402
+from test_fused_gpu import _poison, _seed, assert_workspace_ready, max_y_rel_l2  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,8 @@ def _check_y(tag: str, y: torch.Tensor, y_ref: torch.Tensor) -> float:
     return err
 
 
-def _check_clean(tag: str, buf) -> None:
-    assert_workspace_clean(buf, tag)
+def _check_ready(tag: str, buf, num_tokens: int | None = None) -> None:
+    assert_workspace_ready(buf, tag, num_tokens)
 
 
 @pytest.mark.compile
@@ -142,7 +142,7 @@ def test_fused_e2e(case: E2eCase) -> None:
     y_ref = reference.moe(rc.x[0], rc.x_sf[0], topk_idx, rc.topk_weights[0], rc.l1_weights[0], rc.l2_weights[0],
                           activation_clamp=case.clamp, fast_math=case.fast_math,
                           cumulative_local_expert_recv_stats=stats_ref)
-    for call in range(2):  # the second call (through fp8_mega_moe) on the workspace the first one cleaned
+    for call in range(2):  # the second call (through fp8_mega_moe) on the workspace the first one left
         _fill(buf, rc.x[0], rc.x_sf[0], topk_idx, rc.topk_weights[0])
         y = torch.full((num_tokens, case.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
         if call == 0:
@@ -155,7 +155,7 @@ def test_fused_e2e(case: E2eCase) -> None:
         torch.cuda.synchronize()
         tag = f"seed {seed} {_case_name(case)} call {call}"
         err = _check_y(tag, y, y_ref)
-        _check_clean(tag, buf)
+        _check_ready(tag, buf, num_tokens)
         print(f"{tag}: y rel-L2 {err:.3e}")
     # The phase-serial debug order (the TMA-A warp waits for every pool block first) gives the same bits
     from megamoe.fused import run as fused_run
@@ -166,7 +166,7 @@ def test_fused_e2e(case: E2eCase) -> None:
               expected_tokens_per_expert=case.expected_tokens_per_expert, serial=True)
     torch.cuda.synchronize()
     assert torch.equal(y_serial.view(torch.int16), y.view(torch.int16)), f"seed {seed}: serial differs from overlapped"
-    _check_clean(f"seed {seed} serial", buf)
+    _check_ready(f"seed {seed} serial", buf, num_tokens)
     if case.expected_tokens_per_expert is not None:
         from megamoe.fused import config_for
         expected_bm = heuristics.block_m_for(case.expected_tokens_per_expert)
@@ -226,7 +226,7 @@ def test_fused_stress(num_sms: int | None, delay_pull: bool) -> None:
         torch.cuda.synchronize()
         tag = f"seed {seed} stress sms {num_sms or 'all'} delay {delay_pull} serial {serial}"
         err = _check_y(tag, y, y_ref)
-        _check_clean(tag, buf)
+        _check_ready(tag, buf, case.num_tokens)
         print(f"{tag}: y rel-L2 {err:.3e}")
         out[serial] = y
     assert torch.equal(out[False].view(torch.int16), out[True].view(torch.int16)), \
@@ -273,8 +273,9 @@ def test_fused_repeat_changing_routing() -> None:
         megamoe.fused(y, l1, l2, buf, num_tokens)
         torch.cuda.synchronize()
         y_ref = reference.moe(x, x_sf, topk_idx, topk_weights, rc.l1_weights[0], rc.l2_weights[0], fast_math=True)
-        worst = max(worst, _check_y(f"seed {seed} call {call} T {num_tokens}", y, y_ref))
-    _check_clean(f"seed {seed} after {NUM_REPEAT_CALLS} calls", buf)
+        tag = f"seed {seed} call {call} T {num_tokens}"
+        worst = max(worst, _check_y(tag, y, y_ref))
+        _check_ready(tag, buf, num_tokens)
     print(f"seed {seed}: {NUM_REPEAT_CALLS} calls, worst y rel-L2 {worst:.3e}")
 
 
@@ -302,7 +303,7 @@ def test_fused_cuda_graph_replays() -> None:
         torch.cuda.synchronize()
         y_ref = reference.moe(x, x_sf, topk_idx, topk_weights, rc.l1_weights[0], rc.l2_weights[0], fast_math=True)
         worst = max(worst, _check_y(f"seed {seed} replay {replay_idx}", y, y_ref))
-        _check_clean(f"seed {seed} replay {replay_idx}", buf)
+        _check_ready(f"seed {seed} replay {replay_idx}", buf, num_tokens)
     print(f"seed {seed}: {NUM_GRAPH_REPLAYS} replays, worst y rel-L2 {worst:.3e}")
 
 
@@ -311,7 +312,7 @@ def test_fused_one_buffer_two_layers_in_one_graph() -> None:
     """Two MoE layers (their own weights and routing) through one symmetric buffer in one CUDA graph: each layer's
     inputs copied into the buffer inside the graph (from staging tensors refreshed before each replay), then its
     fused call; 10 replays with new inputs, both layers' y checked each time (the second call runs on the
-    workspace the first one cleaned, inside one graph)."""
+    workspace the first one left, inside one graph)."""
     seed = _seed()
     num_experts, num_topk, hidden, intermediate, _ = REPEAT_LAYOUT
     num_tokens = [64, 101]
@@ -345,5 +346,5 @@ def test_fused_one_buffer_two_layers_in_one_graph() -> None:
         for layer, ((case, _, _), inputs, y) in enumerate(zip(layers, staging, ys)):
             y_ref = reference.moe(*inputs, case.l1_weights[0], case.l2_weights[0], fast_math=True)
             worst = max(worst, _check_y(f"seed {seed} replay {replay_idx} layer {layer}", y, y_ref))
-        _check_clean(f"seed {seed} replay {replay_idx}", buf)
+        _check_ready(f"seed {seed} replay {replay_idx}", buf, num_tokens[-1])  # the second layer's routing
     print(f"seed {seed}: 10 replays of 2 layers, worst y rel-L2 {worst:.3e}")

@@ -2,8 +2,8 @@
 against megamoe.reference.moe.
 
 Every call: fresh random inputs (seed printed), y and the pool, L2 activations and combine rows poisoned (NaN
-bytes) before the launch, the CUDA error state checked, the workspace counters zero afterwards (the kernel cleans
-them). Measured values are printed: run with -s."""
+bytes) before the launch, the CUDA error state checked, the workspace ready for the next call afterwards
+(assert_workspace_ready). Measured values are printed: run with -s."""
 from __future__ import annotations
 
 import random
@@ -35,18 +35,29 @@ def max_y_rel_l2(num_tokens: int) -> float:
     return MAX_Y_REL_L2 if num_tokens >= 7 else MAX_Y_REL_L2_FEW_TOKENS
 
 
-WORKSPACE_COUNTERS = ("expert_send_count", "expert_recv_count", "l1_arrival_count", "l1_done_count",
-                      "l2_done_count", "combine_arrival_count")
-# The workspace header's word of the task claims (assembler/fused_roles.cuh: TaskClaims), cleaned by every call too
-SCHEDULER_WORD = next(first for name, first, _ in WORKSPACE_HEADER_FIELDS if name == "scheduler_counter")
+# The workspace header's word of the NVLink barrier ordinal, whose low bit is a call's count parity
+# (dispatch/regions.cuh)
+NVL_COUNTER_WORD = next(first for name, first, _ in WORKSPACE_HEADER_FIELDS if name == "nvl_barrier_counter")
 
 
-def assert_workspace_clean(buf: Any, what: str) -> None:
-    """Every counter a call uses is back at zero (the kernel's own clean: combine/clean.cuh)."""
-    for name in WORKSPACE_COUNTERS:
-        assert not bool(buf.view(name).view(torch.int32).ne(0).any()), f"{what}: {name} not cleaned"
-    claims = int(buf.view("workspace_header").view(torch.int32)[SCHEDULER_WORD])
-    assert claims == 0, f"{what}: the task-claim counter not cleaned ({claims})"
+def assert_workspace_ready(buf: Any, what: str, num_tokens: int | None = None) -> None:
+    """The workspace is ready for the next call: the send and receive counts of the next call's parity are zero
+    (the call zeroed them in its head: combine/clean.cuh, clean_at_head). The fused kernel ends without a clean, so
+    this call's own counters keep their values; with `num_tokens` (this rank's T of the call) the combine arrivals
+    must be exactly the rows each token sent (valid top-k slots) and zero past T, which also checks that the head
+    zeroed what an earlier call with more tokens left."""
+    header = buf.view("workspace_header").view(torch.int32)
+    parity = int(header[NVL_COUNTER_WORD]) & 1
+    for name in ("expert_send_count", "expert_recv_count"):
+        left = buf.view(name)[parity].view(torch.int32)
+        assert not bool(left.ne(0).any()), f"{what}: {name}[{parity}] (the next call's) not zero: {left.tolist()}"
+    if num_tokens is not None:
+        arrivals = buf.view("combine_arrival_count").view(torch.int32)
+        expected = torch.zeros_like(arrivals)
+        expected[:num_tokens] = (buf.topk_idx[:num_tokens] >= 0).sum(dim=1).to(torch.int32)
+        wrong = arrivals.ne(expected).nonzero().flatten().tolist()
+        assert not wrong, (f"{what}: combine arrivals of tokens {wrong[:8]} are "
+                           f"{arrivals[wrong[:8]].tolist()}, expected {expected[wrong[:8]].tolist()}")
 
 
 def _seed() -> int:
@@ -86,7 +97,7 @@ def _call(case, buf, l1, l2, num_tokens: int, **kwargs):
     y = torch.full((num_tokens, buf.hidden), float("nan"), dtype=torch.bfloat16, device=buf.device)
     config = fused.run(y, l1, l2, buf, num_tokens, **kwargs)
     torch.cuda.synchronize()
-    assert_workspace_clean(buf, config.name)
+    assert_workspace_ready(buf, config.name, num_tokens)
     return y, config
 
 
@@ -154,7 +165,7 @@ def test_fused_matches_reference(num_tokens: int, num_experts: int, num_topk: in
     l1_nat = tuple(t.to(device) for t in case.l1_weights[0])
     l2_nat = tuple(t.to(device) for t in case.l2_weights[0])
     l1, l2 = weights.transform_weights(l1_nat, l2_nat)
-    for call in range(2):  # twice: the second call runs on the workspace the first one cleaned
+    for call in range(2):  # twice: the second call runs on the workspace the first one left
         _poison(buf)
         buf.x[:num_tokens].copy_(case.x[0])
         buf.x_sf[:num_tokens].copy_(case.x_sf[0])
@@ -170,7 +181,7 @@ def test_fused_matches_reference(num_tokens: int, num_experts: int, num_topk: in
         assert torch.isfinite(y).all(), f"seed {seed}: y holds non-finite values"
         bound = max_y_rel_l2(num_tokens)
         assert err <= bound, f"seed {seed}: y rel-L2 {err:.3e} > {bound}"
-        assert_workspace_clean(buf, f"seed {seed} call {call}")
+        assert_workspace_ready(buf, f"seed {seed} call {call}", num_tokens)
 
 
 @pytest.mark.gpu

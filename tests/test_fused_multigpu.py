@@ -121,15 +121,23 @@ class _Rank:
     def check(self, tag: str, tokens: Any, y: Any, initial_stats: Any = None, stats: Any = None,
               clean: bool = True) -> tuple[list[str], Any]:
         """y against the reference, the recv stats against initial_stats + the rows each local expert received (when
-        given), the workspace clean (when `clean`). Returns (errors, those rows). Collective: the reference runs
-        across the ranks."""
+        given), the workspace ready for the next call (when `clean`; `tokens` must then be the last call's).
+        Returns (errors, those rows). Collective: the reference runs across the ranks."""
         from megamoe import reference
         from megamoe.testing import fused_ranks
-        from test_fused_gpu import assert_workspace_clean, max_y_rel_l2
+        from test_fused_gpu import assert_workspace_ready, max_y_rel_l2
 
+        errors = []
+        # NOTES: read before the collective below. The fused call ends without a barrier, so a peer that has
+        # passed this check may launch its next call, whose notify lands in this rank's next-parity receive
+        # counts before this rank's next launch; it cannot get there before this rank joins the collective.
+        if clean:
+            try:
+                assert_workspace_ready(self.buf, tag, y.shape[0])
+            except AssertionError as exc:
+                errors.append(str(exc))
         y_ref, recv = fused_ranks.reference_y(self.ctx.group, self.ctx.rank, self.ctx.num_ranks, tokens, self.l1,
                                               self.l2)
-        errors = []
         if y.numel():
             if not bool(torch.isfinite(y).all()):
                 errors.append(f"{tag}: y holds non-finite values")
@@ -139,11 +147,6 @@ class _Rank:
                     errors.append(f"{tag}: y rel-L2 {err:.3e} > {max_y_rel_l2(y.shape[0])}")
         if stats is not None and not torch.equal(stats, initial_stats + recv):
             errors.append(f"{tag}: recv stats {stats.tolist()}, expected {initial_stats.tolist()} + {recv.tolist()}")
-        if clean:
-            try:
-                assert_workspace_clean(self.buf, tag)
-            except AssertionError as exc:
-                errors.append(str(exc))
         return errors, recv
 
 

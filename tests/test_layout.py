@@ -52,8 +52,8 @@ def _expected_shapes(layout: SymmLayout) -> dict[str, tuple[str, tuple[int, ...]
     p, b = layout.num_pool_tokens, layout.num_max_pool_blocks
     return {
         "workspace_header": ("uint32", (32,)),
-        "expert_send_count": ("uint32", (e,)),
-        "expert_recv_count": ("uint32", (el, r)),
+        "expert_send_count": ("uint32", (2, e)),
+        "expert_recv_count": ("uint32", (2, el, r)),
         "src_token_topk_idx": ("uint32", (el, r, t)),
         "l1_arrival_count": ("uint32", (b,)),
         "l1_done_count": ("uint32", (b,)),

@@ -4,7 +4,9 @@ scatters, the NVLink barriers and the clean run as between GPUs (peer-mapped TMA
 the multigpu tier covers them).
 
 - The fused kernel at R = 2 and 4, ranks with different T (one with T = 0), recv stats, two calls per case (the
-  second on the workspace the first one cleaned): y against reference.moe on every rank.
+  second on the workspace the first one left): y against reference.moe on every rank.
+- The fused kernel's calls back to back on each rank's stream (no host sync between them, the ranks drifting
+  apart): the case its end without a barrier must survive (assembler/fused_kernel.cuh).
 - The dispatch/combine unit kernel's exact 2-rank cases (its multigpu tier's `_scenario_exact` matrix: every
   routing x BLOCK_M, T = T_max on both ranks, T = 0 on one): pool rows, SF, weights, metadata, counts and y bit for
   bit, and the workspace's state after all calls.
@@ -19,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 from megamoe import reference, weights  # noqa: E402
 from megamoe.testing.virtual_ranks import grid_per_rank, launch_concurrently, virtual_rank_buffers  # noqa: E402
-from test_fused_e2e_gpu import _check_clean, _check_y, _fill  # noqa: E402
+from test_fused_e2e_gpu import _check_ready, _check_y, _draw_inputs, _fill  # noqa: E402
 from test_fused_gpu import _seed  # noqa: E402
 
 # (E per rank, top-k, H, I, T_max): E_local 8
@@ -81,13 +83,67 @@ def test_fused_virtual_ranks(tokens: list[int]) -> None:
         for r in range(num_ranks):
             tag = f"seed {seed} R {num_ranks} T {tokens} call {call} rank {r}"
             err = _check_y(tag, ys[r], y_refs[r])
-            _check_clean(tag, bufs[r])
+            _check_ready(tag, bufs[r], tokens[r])
             print(f"{tag}: y rel-L2 {err:.3e}")
     # Two calls each added what every local expert received (counted across the ranks); the reference added it once
     for r in range(num_ranks):
         rows = stats_ref[r] - initial[r]
         assert torch.equal(stats[r], initial[r] + 2 * rows), (f"seed {seed} rank {r}: recv stats "
                                                               f"{stats[r].tolist()}, expected initial + 2 x {rows.tolist()}")
+
+
+# Calls per rank in the back-to-back test
+BACK_TO_BACK_CALLS = 6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_fused_virtual_ranks_back_to_back(num_ranks: int) -> None:
+    """Every rank's calls issued back to back on its own stream, each call's inputs copied into the buffer on that
+    stream just before it, with no host sync between the calls: a rank that finishes a call copies its next inputs
+    and notifies its peers while they still run the previous one. The fused kernel ends without a barrier, so this
+    is what its parity-buffered counts and the head's clean are for (combine/clean.cuh). T drawn per call and rank
+    (T = 0 included), and rank 0's pulls delayed on odd calls so that the ranks drift apart; every call's y against
+    the reference, the workspaces ready after the last call."""
+    from megamoe.fused.launch import prepare, run
+
+    experts_per_rank, num_topk, hidden, intermediate, max_tokens = FUSED_SHAPE
+    num_experts = experts_per_rank * num_ranks
+    seed = _seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rc = reference.random_case([1] * num_ranks, hidden, intermediate, num_experts, num_topk, num_ranks=num_ranks,
+                               generator=gen, device="cuda")
+    bufs = virtual_rank_buffers(num_ranks, num_experts, max_tokens, num_topk, hidden, intermediate)
+    pairs = [weights.transform_weights(rc.l1_weights[r], rc.l2_weights[r]) for r in range(num_ranks)]
+    # Per call: every rank's T and inputs (drawn up front: nothing may allocate between the launches)
+    tokens = [[0 if (call + r) % 5 == 4 else int(torch.randint(1, max_tokens + 1, (1,), generator=gen,
+                                                                 device="cuda")) for r in range(num_ranks)]
+              for call in range(BACK_TO_BACK_CALLS)]
+    inputs = [[_draw_inputs(t, hidden, num_experts, num_topk, gen) for t in call_tokens] for call_tokens in tokens]
+    ys = [[torch.full((t, hidden), float("nan"), dtype=torch.bfloat16, device="cuda") for t in call_tokens]
+          for call_tokens in tokens]
+    grid = grid_per_rank(num_ranks)
+    for buf in bufs:
+        prepare(buf)
+
+    def rank_calls(stream: torch.cuda.Stream, r: int) -> None:
+        with torch.cuda.stream(stream):
+            for call in range(BACK_TO_BACK_CALLS):
+                _fill(bufs[r], *inputs[call][r])
+                run(ys[call][r], pairs[r][0], pairs[r][1], bufs[r], tokens[call][r], num_sms=grid, stream=stream,
+                    debug_delay_pull=r == 0 and call % 2 == 1)
+
+    launch_concurrently([lambda stream, r=r: rank_calls(stream, r) for r in range(num_ranks)])
+    for call in range(BACK_TO_BACK_CALLS):
+        per_rank = [list(field) for field in zip(*inputs[call])]  # x, x_sf, topk_idx, topk_weights: one per rank
+        y_refs = reference.moe(*per_rank, rc.l1_weights, rc.l2_weights, fast_math=True)
+        for r in range(num_ranks):
+            tag = f"seed {seed} R {num_ranks} call {call} T {tokens[call]} rank {r}"
+            err = _check_y(tag, ys[call][r], y_refs[r])
+            print(f"{tag}: y rel-L2 {err:.3e}")
+    for r in range(num_ranks):
+        _check_ready(f"seed {seed} R {num_ranks} rank {r} after {BACK_TO_BACK_CALLS} calls", bufs[r],
+                     tokens[-1][r])
 
 
 # The dispatch/combine unit kernel's 2-rank shape (tests/test_dispatch_combine_multigpu.py: SHAPE)

@@ -1,7 +1,7 @@
 // Dispatch, first step (before the dispatch barrier): count this rank's (token, slot) pairs per expert,
 // reserve ranges of slots with global atomics, write each pair's source index (token * topk + slot) into the
 // destination rank's src_token_topk_idx[local expert][this rank][slot], and add the counts to the destination's
-// expert_recv_count[local expert][this rank].
+// expert_recv_count[parity][local expert][this rank] (parity: the call's, regions.cuh).
 #pragma once
 
 #include "common/atomics.cuh"
@@ -19,8 +19,8 @@ constexpr uint32_t kErrorRoutingOverflow = 1u;  // a rank sent more than T_max r
 // issue WGMMA, where a printf serializes the pipeline: DESIGN 5c) the pair is dropped and kErrorRoutingOverflow
 // is set in `error_flags`.
 template <uint32_t kNumThreads, bool kAssert = true, typename SyncCta>
-MEGAMOE_DEVICE void count_and_notify(const SymBuffer& sym, uint32_t num_tokens, uint32_t* smem_expert_count,
-                                     uint32_t cta_idx, uint32_t num_ctas, uint32_t thread_idx,
+MEGAMOE_DEVICE void count_and_notify(const SymBuffer& sym, uint32_t parity, uint32_t num_tokens,
+                                     uint32_t* smem_expert_count, uint32_t cta_idx, uint32_t num_ctas, uint32_t thread_idx,
                                      const SyncCta& sync_cta, uint32_t* error_flags = nullptr) {
     static_assert(layout::kNumExperts == layout::kNumLocalExperts * layout::kNumRanks, "E = E_local * R");
     constexpr uint32_t kNumTopk = layout::kNumTopk;
@@ -47,10 +47,10 @@ MEGAMOE_DEVICE void count_and_notify(const SymBuffer& sym, uint32_t num_tokens, 
             continue;
         // NOTES: relaxed atomics suffice: the reservation only needs distinct ranges, and the counts reach the
         // destination through the dispatch barrier's release chain (nvlink_barrier.cuh), like the index writes.
-        smem_expert_count[e] = ptx::atom_add_relaxed<ptx::Scope::kGpu>(expert_send_count(sym) + e, count);
+        smem_expert_count[e] = ptx::atom_add_relaxed<ptx::Scope::kGpu>(expert_send_count(sym, parity) + e, count);
         const uint32_t dst_rank = e / layout::kNumLocalExperts, local_expert = e % layout::kNumLocalExperts;
         ptx::red_add_relaxed<ptx::Scope::kSys>(
-            sym.peer<uint32_t>(expert_recv_count_offset(local_expert, sym.rank_idx), dst_rank), count);
+            sym.peer<uint32_t>(expert_recv_count_offset(parity, local_expert, sym.rank_idx), dst_rank), count);
     }
     sync_cta();
 

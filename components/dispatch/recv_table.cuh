@@ -1,5 +1,5 @@
 // The receive table: built in shared memory by every CTA after the dispatch barrier, from this rank's
-// expert_recv_count[E_local][R]. It maps a packed receive index g (rows ordered by local expert, then source
+// expert_recv_count[parity][E_local][R] (the call's parity, regions.cuh). It maps a packed receive index g (rows ordered by local expert, then source
 // rank, then reserved slot) to the source of the row and to its pool row.
 #pragma once
 
@@ -45,10 +45,11 @@ MEGAMOE_DEVICE uint32_t warp_inclusive_scan(uint32_t value, uint32_t lane) {
 // one L2 round trip for all of them instead of one per 32 pairs in the scanning warp. The caller's CTA barrier
 // publishes them to the scanning warp.
 template <uint32_t kNumThreads>
-MEGAMOE_DEVICE void prefetch_recv_counts(const RecvTable& table, const SymBuffer& sym, uint32_t thread_idx) {
+MEGAMOE_DEVICE void prefetch_recv_counts(const RecvTable& table, const SymBuffer& sym, uint32_t parity,
+                                         uint32_t thread_idx) {
     // NOTES: same ordering as in build_recv_table: this thread is past the dispatch barrier's acquire (its CTA
     // leader's acquire, extended by the CTA barrier), so relaxed loads see the peers' totals.
-    const uint32_t* recv_count = expert_recv_count(sym);
+    const uint32_t* recv_count = expert_recv_count(sym, parity);
     for (uint32_t k = thread_idx; k < kNumRecvPairs; k += kNumThreads)
         table.pair_prefix[k] = ptx::ld_relaxed<ptx::Scope::kGpu>(recv_count + k);
 }
@@ -56,10 +57,10 @@ MEGAMOE_DEVICE void prefetch_recv_counts(const RecvTable& table, const SymBuffer
 // One warp builds the table; the caller's CTA barrier publishes it to the other warps. kPrefetched: the counts
 // are already in pair_prefix (prefetch_recv_counts, then a CTA barrier).
 template <uint32_t kBlockM, bool kPrefetched = false>
-MEGAMOE_DEVICE void build_recv_table(const RecvTable& table, const SymBuffer& sym, uint32_t lane) {
+MEGAMOE_DEVICE void build_recv_table(const RecvTable& table, const SymBuffer& sym, uint32_t parity, uint32_t lane) {
     static_assert(kBlockM == 32 or kBlockM == 64 or kBlockM == 128, "BLOCK_M candidates (layout.BLOCK_M_CANDIDATES)");
     static_assert(kBlockM <= layout::kMaxBlockM, "the pool is sized for BLOCK_M <= kMaxBlockM");
-    const uint32_t* recv_count = expert_recv_count(sym);
+    const uint32_t* recv_count = expert_recv_count(sym, parity);
 
     // Prefix over the (expert, source) pairs
     // NOTES: the counts were added by the peers with red.relaxed.sys before their dispatch-barrier release;

@@ -48,6 +48,9 @@ DTYPE_BYTES: dict[str, int] = {
     "float8_e4m3fn": 1,
 }
 
+# Buffers of the send and receive counts: one per call parity (dispatch/regions.cuh)
+COUNT_PARITIES = 2
+
 # Region names in buffer order, grouped. The workspace group is one contiguous span, zeroed once at allocation
 # (buffer.allocate); between calls there is no host memset: the kernel cleans its own counters (DESIGN 5c).
 WORKSPACE_REGIONS = (
@@ -265,12 +268,15 @@ class SymmLayout:
         t, k, h, i = self.num_max_tokens_per_rank, self.num_topk, self.hidden, self.intermediate
         p, b = self.num_pool_tokens, self.num_max_pool_blocks
         return [
-            # Workspace, zeroed once at allocation. Each call's kernel zeroes the counters it used around its combine
-            # barrier (combine/clean.cuh), so the next call starts clean without a host memset; grid-sync and NVLink
-            # barrier words reset themselves, src_token_topk_idx and pool_src_metadata are rewritten for every row.
+            # Workspace, zeroed once at allocation. Each call's head zeroes the local counters it uses and the other
+            # parity's send / receive counts (combine/clean.cuh: clean_at_head), so every call starts clean without
+            # a host memset and without a barrier at the end of the previous call; grid-sync and NVLink barrier
+            # words reset themselves, src_token_topk_idx and pool_src_metadata are rewritten for every row.
             ("workspace", "workspace_header", "uint32", (WORKSPACE_HEADER_WORDS,)),
-            ("workspace", "expert_send_count", "uint32", (e,)),
-            ("workspace", "expert_recv_count", "uint32", (e_local, r)),
+            # Send and receive counts, double-buffered by call parity (the NVLink barrier ordinal's low bit at the
+            # call's start, dispatch/regions.cuh)
+            ("workspace", "expert_send_count", "uint32", (COUNT_PARITIES, e)),
+            ("workspace", "expert_recv_count", "uint32", (COUNT_PARITIES, e_local, r)),
             ("workspace", "src_token_topk_idx", "uint32", (e_local, r, t)),
             ("workspace", "l1_arrival_count", "uint32", (b,)),
             ("workspace", "l1_done_count", "uint32", (b,)),
