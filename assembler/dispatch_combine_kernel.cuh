@@ -168,6 +168,7 @@ MEGAMOE_DEVICE void dispatch_combine_impl(const SymBuffer& sym, uint32_t num_tok
     const bool is_pull_warp = warp < T::kPullWarps;
     const PhaseTimer timer{phase_times};
     timer.mark(0, lane);
+    combine::clean_at_start<T::kNumThreads>(sym, cta_idx, num_ctas, thread_idx);
     const uint32_t pull_warp_rank = cta_idx * T::kPullWarps + warp, num_pull_warps = num_ctas * T::kPullWarps;
 
     auto* expert_count = reinterpret_cast<uint32_t*>(smem + T::kSmemExpertCountOffset);

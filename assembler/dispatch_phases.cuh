@@ -1,5 +1,5 @@
 // The communication phases every kernel of the project runs the same way, on every thread of every CTA: the head
-// (the head's clean, count + reserve + notify, the dispatch NVLink barrier, the receive table, recv stats) and, in
+// (the next parity's counts zeroed, count + reserve + notify, the dispatch NVLink barrier, the receive table, recv stats) and, in
 // the dispatch/combine unit kernel only, the tail (the combine NVLink barrier with the workspace clean). The fused
 // kernel (fused_kernel.cuh) and the unit kernel (dispatch_combine_kernel.cuh) both run the head; they differ only
 // in the timeout policy and environment they pass (kPrint: no printf reachable beside WGMMA, DESIGN 5c) and in the
@@ -31,7 +31,7 @@ struct HeadArgs {
 };
 
 // Head, every thread (kPrint: timeouts printf and the count asserts; else records only and error flags): the
-// head's clean; count, reserve, notify; the dispatch barrier; the receive table (every CTA; kTablePrefetch:
+// next parity's counts zeroed; count, reserve, notify; the dispatch barrier; the receive table (every CTA; kTablePrefetch:
 // the counts read by every thread first) and recv stats (CTA 0). `mark(i)` after phase i (1: notify, 2: barrier,
 // 3: table), for profiling. `nvl_ordinal`: the NVLink barrier counter each thread read before its CTA's first
 // grid-sync arrival (nvlink_barrier_polled). `parity`: its low bit, the call's count buffers (dispatch/regions.cuh).
@@ -43,7 +43,7 @@ MEGAMOE_DEVICE void dispatch_head(const DeviceEnv& env, const SymBuffer& sym, co
                                   const NvlOrdinal& nvl_ordinal, uint32_t parity, uint32_t cta_idx,
                                   uint32_t num_ctas, uint32_t thread_idx, const Mark& mark) {
     const auto sync_cta = []() { __syncthreads(); };
-    combine::clean_at_head<kNumThreads>(sym, parity, cta_idx, num_ctas, thread_idx);
+    combine::clean_next_parity<kNumThreads>(sym, parity, cta_idx, num_ctas, thread_idx);
     dispatch::count_and_notify<kNumThreads, kPrint>(sym, parity, args.num_tokens, args.expert_count, cta_idx,
                                                     num_ctas, thread_idx, sync_cta, args.error_flags);
     mark(1);
@@ -71,7 +71,7 @@ MEGAMOE_DEVICE void dispatch_head(const DeviceEnv& env, const SymBuffer& sym, co
 
 // The unit kernel's tail, every thread: every rank's rows have been reduced where they belong; clean this call's
 // counters and meet the peers (the clean folded into the combine barrier: combine/clean.cuh). `nvl_ordinal`: the
-// head's + 1; `parity`: the head's. (The fused kernel has no tail: its head cleans, clean_at_head.)
+// head's + 1; `parity`: the head's. (The fused kernel has no tail: the next call cleans, combine/clean.cuh.)
 template <uint32_t kNumThreads, bool kPrint>
 MEGAMOE_DEVICE void combine_tail(const DeviceEnv& env, const SymBuffer& sym, uint32_t nvl_ordinal, uint32_t parity,
                                  uint32_t cta_idx, uint32_t num_ctas, uint32_t thread_idx) {

@@ -10,14 +10,14 @@
 //                         only)
 //     dispatch warp 0     after its pulls, the scatter warp (l2_handoff.cuh): each L2 tile's 256 B slices to the
 //                         source ranks' combine rows, the pool block's tile count, the completing tile's signals
-//   no tail               the next call's head cleans (combine/clean.cuh: clean_at_head); a CTA ends after its
-//                         reduce
+//   no tail               the next call cleans (combine/clean.cuh: clean_at_start, clean_next_parity); a CTA
+//                         ends after its reduce
 //
 // NOTES: why the call needs no barrier at its end. y is complete once this rank's reduce has counted every row's
 // arrival, and every row was pulled from this rank's inputs (x, SF, weights, source indices) before its combine row
 // came back, so the caller may rewrite them. What a barrier would order is the next call: a fast peer's notify
 // (into the other parity's receive counts, zeroed in this call's head) and its combine rows (after the next
-// dispatch barrier, which this rank joins only after its head has zeroed the local counters).
+// dispatch barrier, which this rank joins only after it has zeroed the local counters).
 //
 // Task order and the deadlock-freedom argument: fused_scheduler.cuh. Every wait reports through the host-mapped
 // record of its (SM, role) and traps, never printf (a call reachable here makes ptxas serialize the WGMMAs).
@@ -93,6 +93,7 @@ MEGAMOE_DEVICE void fused_impl(const FusedMaps& maps, const SymBuffer& sym, cons
     const bool is_warp_0 = threadIdx.x < 32;
     if (is_warp_0)
         PhaseTimer{p.phase_times}.mark(kMarkStart, lane_idx());
+    combine::clean_at_start<megamoe::kNumThreads>(sym, blockIdx.x, gridDim.x, threadIdx.x);
     fused_head<T>(FusedContext<T>(maps, sym, p, env, smem_buffer));
     if (is_warp_0)
         PhaseTimer{p.phase_times}.mark(kMarkHead, lane_idx());

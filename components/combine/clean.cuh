@@ -3,9 +3,10 @@
 // are rewritten for every received row and read only where valid.
 //
 // Two places clean:
-//   the head of every call (clean_at_head): the local counters this call uses after its dispatch barrier, and the
-//     other parity's send and receive counts, which the next call uses (dispatch/regions.cuh). This is all the
-//     fused kernel needs: it ends without a barrier, leaving this call's counters as they are.
+//   every call: at its start, the local counters it uses after its dispatch barrier (clean_at_start), and in its
+//     head, before that barrier, the other parity's send and receive counts, which the next call uses
+//     (clean_next_parity; dispatch/regions.cuh). This is all the fused kernel needs: it ends without a barrier,
+//     leaving this call's counters as they are.
 //   the combine barrier of the dispatch/combine unit kernel (clean_recv_counts, clean_local_counters), which also
 //     zeroes this call's own counters, so the workspace is all zero between its calls.
 // Offsets come from the generated layout header (namespace megamoe::layout), included before this header.
@@ -45,27 +46,31 @@ MEGAMOE_DEVICE void zero_pool_and_arrival_counters(const SymBuffer& sym, uint32_
                num_threads);
 }
 
-// Every thread of every CTA, in the head, after count_and_notify and before the dispatch barrier. `parity`: this
-// call's (dispatch/regions.cuh).
-// NOTES: the pool-block and arrival counters. Their last writers are the previous call's: this rank's own
-// threads (kernel order) and the peers' combine signals, every one of which this rank's reduce waited for before
-// that call ended, so each of those adds is coherence-ordered before these stores. This call's first accesses come
-// after its dispatch barrier: this rank's CTAs past the prologue grid sync's acquire, the peers' combine signals
-// after the cross-rank chain that begins with that grid sync's .sys release. The scheduler word likewise.
-// NOTES: the other parity's counts. expert_send_count[!parity] is local (kernel order). expert_recv_count[!parity]
-// was last added to by the peers' notifies of an earlier call, each before that call's dispatch barrier, which
-// this rank passed in that call before it read the counts; the peers' next notifies into it (the next call's)
-// come after they pass this call's dispatch barrier, whose chain (this thread's stores -> CTA barrier -> the
-// prologue's atom.release.sys -> CTA 0's signals) orders these stores first. A peer cannot run further ahead:
-// passing the next call's barrier needs this rank's signal for it.
+// Every thread of every CTA, first thing in the kernel (the earlier these stores issue, the less the dispatch
+// barrier's release waits for them).
+// NOTES: the last writers of these counters are the previous call's: this rank's own threads (kernel order) and
+// the peers' combine signals, every one of which this rank's reduce waited for before that call ended, so each
+// of those adds is coherence-ordered before these stores. This call's first accesses come after its dispatch
+// barrier: this rank's CTAs past the prologue grid sync's acquire, the peers' combine signals after the
+// cross-rank chain that begins with that grid sync's .sys release.
 template <uint32_t kNumThreads>
-MEGAMOE_DEVICE void clean_at_head(const SymBuffer& sym, uint32_t parity, uint32_t cta_idx, uint32_t num_ctas,
-                                  uint32_t thread_idx) {
+MEGAMOE_DEVICE void clean_at_start(const SymBuffer& sym, uint32_t cta_idx, uint32_t num_ctas, uint32_t thread_idx) {
+    zero_pool_and_arrival_counters(sym, cta_idx * kNumThreads + thread_idx, num_ctas * kNumThreads);
+}
+
+// Every thread of every CTA, in the head, before the dispatch barrier. `parity`: this call's.
+// NOTES: expert_send_count[!parity] is local (kernel order). expert_recv_count[!parity] was last added to by the
+// peers' notifies of an earlier call, each before that call's dispatch barrier, which this rank passed in that
+// call before it read the counts; the peers' next notifies into it (the next call's) come after they pass this
+// call's dispatch barrier, whose chain (this thread's stores -> CTA barrier -> the prologue's atom.release.sys ->
+// CTA 0's signals) orders these stores first. A peer cannot run further ahead: passing the next call's barrier
+// needs this rank's signal for it.
+template <uint32_t kNumThreads>
+MEGAMOE_DEVICE void clean_next_parity(const SymBuffer& sym, uint32_t parity, uint32_t cta_idx, uint32_t num_ctas,
+                                      uint32_t thread_idx) {
     const uint32_t thread_rank = cta_idx * kNumThreads + thread_idx, num_threads = num_ctas * kNumThreads;
-    zero_pool_and_arrival_counters(sym, thread_rank, num_threads);
-    const uint32_t other = parity ^ 1u;
-    zero_words(send_counts(sym, other), kNumSendCounts, thread_rank, num_threads);
-    zero_words(recv_counts(sym, other), kNumRecvCounts, thread_rank, num_threads);
+    zero_words(send_counts(sym, parity ^ 1u), kNumSendCounts, thread_rank, num_threads);
+    zero_words(recv_counts(sym, parity ^ 1u), kNumRecvCounts, thread_rank, num_threads);
 }
 
 // The unit kernel's combine barrier (nvlink_barrier_polled; no grid sync of its own), in two halves:

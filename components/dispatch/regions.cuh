@@ -18,7 +18,7 @@ constexpr uint32_t kNumRecvPairs = layout::kNumLocalExperts * layout::kNumRanks;
 // Workspace: this rank's counters. The send and receive counts are double-buffered by call parity, the low bit
 // of the NVLink barrier ordinal at the call's start (the same on every rank: every rank has passed the same
 // barriers). A call counts into buffer `parity` and zeroes the other one in its head for the next call
-// (combine/clean.cuh: clean_at_head), so no call needs a barrier at its end before a peer's next notify.
+// (combine/clean.cuh: clean_next_parity), so no call needs a barrier at its end before a peer's next notify.
 constexpr uint32_t kNumCountParities = 2;
 static_assert(layout::kExpertSendCountBytes == kNumCountParities * layout::kNumExperts * sizeof(uint32_t),
               "expert_send_count is [2][E]");

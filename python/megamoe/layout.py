@@ -268,8 +268,8 @@ class SymmLayout:
         t, k, h, i = self.num_max_tokens_per_rank, self.num_topk, self.hidden, self.intermediate
         p, b = self.num_pool_tokens, self.num_max_pool_blocks
         return [
-            # Workspace, zeroed once at allocation. Each call's head zeroes the local counters it uses and the other
-            # parity's send / receive counts (combine/clean.cuh: clean_at_head), so every call starts clean without
+            # Workspace, zeroed once at allocation. Each call zeroes the local counters it uses at its start and the
+            # other parity's send / receive counts in its head (combine/clean.cuh), so every call starts clean without
             # a host memset and without a barrier at the end of the previous call; grid-sync and NVLink barrier
             # words reset themselves, src_token_topk_idx and pool_src_metadata are rewritten for every row.
             ("workspace", "workspace_header", "uint32", (WORKSPACE_HEADER_WORDS,)),

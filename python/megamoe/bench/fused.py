@@ -438,8 +438,8 @@ PHASE_CAPTION = (
     "notify + NVLink barrier + receive table; pull = a dispatch warp's pulls done (latest: the last pool block "
     "arrived); L1 / L2 start = a tile's A load issued once its input was ready (earliest L1: the first L1 tile; "
     "latest L2: the last L2 tile); l2_done = a CTA's scatter warp sent and signalled its last L2 tile (earliest to "
-    "latest: how evenly the CTAs finish); reduce = a CTA's math warps done (tiles and top-k reduce); end = after the "
-    "combine barrier"
+    "latest: how evenly the CTAs finish); reduce = a CTA's math warps done (tiles and top-k reduce); end = a CTA's "
+    "every warp done (no barrier at the end of a call: the next call cleans)"
 )
 
 
