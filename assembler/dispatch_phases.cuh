@@ -1,9 +1,9 @@
 // The communication phases every kernel of the project runs the same way, on every thread of every CTA: the head
-// (the next parity's counts zeroed, count + reserve + notify, the dispatch NVLink barrier, the receive table, recv stats) and, in
-// the dispatch/combine unit kernel only, the tail (the combine NVLink barrier with the workspace clean). The fused
-// kernel (fused_kernel.cuh) and the unit kernel (dispatch_combine_kernel.cuh) both run the head; they differ only
-// in the timeout policy and environment they pass (kPrint: no printf reachable beside WGMMA, DESIGN 5c) and in the
-// profiling marks.
+// (the next parity's counts zeroed, count + reserve + notify, the dispatch NVLink barrier, the receive table, recv
+// stats) and, in the dispatch/combine unit kernel only, the tail (the combine NVLink barrier with the workspace
+// clean). The fused kernel (fused_kernel.cuh) and the unit kernel (dispatch_combine_kernel.cuh) both run the head;
+// they differ only in the timeout policy and environment they pass (kPrint: no printf reachable beside WGMMA,
+// DESIGN 5c) and in the profiling marks.
 #pragma once
 
 #include "combine/clean.cuh"
@@ -31,10 +31,11 @@ struct HeadArgs {
 };
 
 // Head, every thread (kPrint: timeouts printf and the count asserts; else records only and error flags): the
-// next parity's counts zeroed; count, reserve, notify; the dispatch barrier; the receive table (every CTA; kTablePrefetch:
-// the counts read by every thread first) and recv stats (CTA 0). `mark(i)` after phase i (1: notify, 2: barrier,
-// 3: table), for profiling. `nvl_ordinal`: the NVLink barrier counter each thread read before its CTA's first
-// grid-sync arrival (nvlink_barrier_polled). `parity`: its low bit, the call's count buffers (dispatch/regions.cuh).
+// next parity's counts zeroed; count, reserve, notify; the dispatch barrier; the receive table (every CTA;
+// kTablePrefetch: the counts read by every thread first) and recv stats (CTA 0). `mark(i)` after phase i (1:
+// notify, 2: barrier, 3: table), for profiling. `nvl_ordinal`: the NVLink barrier counter each thread read before
+// its CTA's first grid-sync arrival (nvlink_barrier_polled). `parity`: its low bit, the call's count buffers
+// (dispatch/regions.cuh).
 // kPolledBarrier = false: the first version's NVLink barrier (nvlink_barrier, three grid syncs), kept for the unit
 // kernel's legacy knobs.
 template <uint32_t kNumThreads, uint32_t kBlockM, bool kPrint, bool kTablePrefetch = true, bool kPolledBarrier = true,

@@ -30,8 +30,8 @@
 
 namespace megamoe::assembler {
 
-// Head, every thread: init the ring and pull barriers; the head's clean; count, reserve, notify; the dispatch
-// barrier; the receive table (every CTA) and recv stats (CTA 0).
+// Head, every thread: init the ring and pull barriers; the next parity's counts zeroed; count, reserve, notify;
+// the dispatch barrier; the receive table (every CTA) and recv stats (CTA 0).
 template <typename T>
 MEGAMOE_DEVICE void fused_head(const FusedContext<T>& ctx) {
     constexpr uint32_t kNumThreads = megamoe::kNumThreads;

@@ -43,9 +43,9 @@ NVL_COUNTER_WORD = next(first for name, first, _ in WORKSPACE_HEADER_FIELDS if n
 def assert_workspace_ready(buf: Any, what: str, num_tokens: int | None = None) -> None:
     """The workspace is ready for the next call: the send and receive counts of the next call's parity are zero
     (the call zeroed them in its head: combine/clean.cuh, clean_next_parity). The fused kernel ends without a
-    clean, so this call's own counters keep their values; with `num_tokens` (this rank's T of the call) the combine arrivals
-    must be exactly the rows each token sent (valid top-k slots) and zero past T, which also checks that the call
-    zeroed what an earlier call with more tokens left."""
+    clean, so this call's own counters keep their values; with `num_tokens` (this rank's T of the call) the combine
+    arrivals must be exactly the rows each token sent (valid top-k slots) and zero past T, which also checks that
+    the call zeroed what an earlier call with more tokens left."""
     header = buf.view("workspace_header").view(torch.int32)
     parity = int(header[NVL_COUNTER_WORD]) & 1
     for name in ("expert_send_count", "expert_recv_count"):

@@ -20,8 +20,8 @@ constexpr uint32_t kErrorRoutingOverflow = 1u;  // a rank sent more than T_max r
 // is set in `error_flags`.
 template <uint32_t kNumThreads, bool kAssert = true, typename SyncCta>
 MEGAMOE_DEVICE void count_and_notify(const SymBuffer& sym, uint32_t parity, uint32_t num_tokens,
-                                     uint32_t* smem_expert_count, uint32_t cta_idx, uint32_t num_ctas, uint32_t thread_idx,
-                                     const SyncCta& sync_cta, uint32_t* error_flags = nullptr) {
+                                     uint32_t* smem_expert_count, uint32_t cta_idx, uint32_t num_ctas,
+                                     uint32_t thread_idx, const SyncCta& sync_cta, uint32_t* error_flags = nullptr) {
     static_assert(layout::kNumExperts == layout::kNumLocalExperts * layout::kNumRanks, "E = E_local * R");
     constexpr uint32_t kNumTopk = layout::kNumTopk;
     const uint32_t tokens_per_cta = ceil_div(num_tokens, num_ctas);
