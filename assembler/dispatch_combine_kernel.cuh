@@ -199,7 +199,8 @@ MEGAMOE_DEVICE void dispatch_combine_impl(const SymBuffer& sym, uint32_t num_tok
     const BarrierWords words = assembler::barrier_words(sym);
     // NOTES: every thread reads the NVLink barrier counter here, before its CTA's first grid-sync arrival; CTA 0
     // moves it only after that grid sync (both barriers: nvlink_barrier, nvlink_barrier_polled), and earlier
-    // calls' moves are ordered by the kernel boundary. Its low bit is the call's count parity (regions.cuh).
+    // calls' moves are ordered by the kernel boundary. Its low bit is the call's count parity
+    // (common/count_buffers.cuh).
     const uint32_t nvl_ordinal = *words.nvl_counter;
     const uint32_t parity = nvl_ordinal & 1u;
     __syncthreads();

@@ -35,7 +35,7 @@ struct HeadArgs {
 // kTablePrefetch: the counts read by every thread first) and recv stats (CTA 0). `mark(i)` after phase i (1:
 // notify, 2: barrier, 3: table), for profiling. `nvl_ordinal`: the NVLink barrier counter each thread read before
 // its CTA's first grid-sync arrival (nvlink_barrier_polled). `parity`: its low bit, the call's count buffers
-// (dispatch/regions.cuh).
+// (common/count_buffers.cuh).
 // kPolledBarrier = false: the first version's NVLink barrier (nvlink_barrier, three grid syncs), kept for the unit
 // kernel's legacy knobs.
 template <uint32_t kNumThreads, uint32_t kBlockM, bool kPrint, bool kTablePrefetch = true, bool kPolledBarrier = true,

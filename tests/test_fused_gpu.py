@@ -36,7 +36,7 @@ def max_y_rel_l2(num_tokens: int) -> float:
 
 
 # The workspace header's word of the NVLink barrier ordinal, whose low bit is a call's count parity
-# (dispatch/regions.cuh)
+# (common/count_buffers.cuh)
 NVL_COUNTER_WORD = next(first for name, first, _ in WORKSPACE_HEADER_FIELDS if name == "nvl_barrier_counter")
 
 

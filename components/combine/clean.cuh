@@ -5,13 +5,14 @@
 // Two places clean:
 //   every call: at its start, the local counters it uses after its dispatch barrier (clean_at_start), and in its
 //     head, before that barrier, the other parity's send and receive counts, which the next call uses
-//     (clean_next_parity; dispatch/regions.cuh). This is all the fused kernel needs: it ends without a barrier,
+//     (clean_next_parity; common/count_buffers.cuh). This is all the fused kernel needs: it ends without a barrier,
 //     leaving this call's counters as they are.
 //   the combine barrier of the dispatch/combine unit kernel (clean_recv_counts, clean_local_counters), which also
 //     zeroes this call's own counters, so the workspace is all zero between its calls.
 // Offsets come from the generated layout header (namespace megamoe::layout), included before this header.
 #pragma once
 
+#include "common/count_buffers.cuh"
 #include "common/sym_buffer.cuh"
 
 namespace megamoe::combine {
@@ -19,16 +20,6 @@ namespace megamoe::combine {
 MEGAMOE_DEVICE void zero_words(uint32_t* words, uint32_t num_words, uint32_t thread_rank, uint32_t num_threads) {
     for (uint32_t i = thread_rank; i < num_words; i += num_threads)
         words[i] = 0u;
-}
-
-// The send and receive counts of one parity (the layout of dispatch/regions.cuh, which combine does not include)
-constexpr uint32_t kNumSendCounts = layout::kNumExperts;
-constexpr uint32_t kNumRecvCounts = layout::kNumLocalExperts * layout::kNumRanks;
-MEGAMOE_DEVICE uint32_t* send_counts(const SymBuffer& sym, uint32_t parity) {
-    return sym.local<uint32_t>(layout::kExpertSendCountOffset) + parity * kNumSendCounts;
-}
-MEGAMOE_DEVICE uint32_t* recv_counts(const SymBuffer& sym, uint32_t parity) {
-    return sym.local<uint32_t>(layout::kExpertRecvCountOffset) + parity * kNumRecvCounts;
 }
 
 // The counters local to this rank that a call uses after its dispatch barrier: the task-claim word, the pool
@@ -69,8 +60,8 @@ template <uint32_t kNumThreads>
 MEGAMOE_DEVICE void clean_next_parity(const SymBuffer& sym, uint32_t parity, uint32_t cta_idx, uint32_t num_ctas,
                                       uint32_t thread_idx) {
     const uint32_t thread_rank = cta_idx * kNumThreads + thread_idx, num_threads = num_ctas * kNumThreads;
-    zero_words(send_counts(sym, parity ^ 1u), kNumSendCounts, thread_rank, num_threads);
-    zero_words(recv_counts(sym, parity ^ 1u), kNumRecvCounts, thread_rank, num_threads);
+    zero_words(expert_send_count(sym, parity ^ 1u), kNumSendCounts, thread_rank, num_threads);
+    zero_words(expert_recv_count(sym, parity ^ 1u), kNumRecvPairs, thread_rank, num_threads);
 }
 
 // The unit kernel's combine barrier (nvlink_barrier_polled; no grid sync of its own), in two halves:
@@ -80,7 +71,7 @@ MEGAMOE_DEVICE void clean_next_parity(const SymBuffer& sym, uint32_t parity, uin
 // zeros (release cumulativity through the CTA barrier) before any peer can pass the barrier and notify again.
 template <uint32_t kNumThreads>
 MEGAMOE_DEVICE void clean_recv_counts(const SymBuffer& sym, uint32_t parity, uint32_t thread_idx) {
-    zero_words(recv_counts(sym, parity), kNumRecvCounts, thread_idx, kNumThreads);
+    zero_words(expert_recv_count(sym, parity), kNumRecvPairs, thread_idx, kNumThreads);
 }
 
 // clean_local_counters: every thread of every CTA, after the same prologue grid sync (while_waiting).
@@ -95,7 +86,7 @@ template <uint32_t kNumThreads>
 MEGAMOE_DEVICE void clean_local_counters(const SymBuffer& sym, uint32_t parity, uint32_t cta_idx, uint32_t num_ctas,
                                          uint32_t thread_idx) {
     const uint32_t thread_rank = cta_idx * kNumThreads + thread_idx, num_threads = num_ctas * kNumThreads;
-    zero_words(send_counts(sym, parity), kNumSendCounts, thread_rank, num_threads);
+    zero_words(expert_send_count(sym, parity), kNumSendCounts, thread_rank, num_threads);
     zero_pool_and_arrival_counters(sym, thread_rank, num_threads);
 }
 
@@ -107,7 +98,7 @@ template <uint32_t kNumThreads>
 MEGAMOE_DEVICE void clean_workspace(const SymBuffer& sym, uint32_t parity, uint32_t cta_idx, uint32_t num_ctas,
                                     uint32_t thread_idx) {
     const uint32_t thread_rank = cta_idx * kNumThreads + thread_idx, num_threads = num_ctas * kNumThreads;
-    zero_words(recv_counts(sym, parity), kNumRecvCounts, thread_rank, num_threads);
+    zero_words(expert_recv_count(sym, parity), kNumRecvPairs, thread_rank, num_threads);
     clean_local_counters<kNumThreads>(sym, parity, cta_idx, num_ctas, thread_idx);
 }
 

@@ -1,7 +1,7 @@
 // Dispatch, first step (before the dispatch barrier): count this rank's (token, slot) pairs per expert,
 // reserve ranges of slots with global atomics, write each pair's source index (token * topk + slot) into the
 // destination rank's src_token_topk_idx[local expert][this rank][slot], and add the counts to the destination's
-// expert_recv_count[parity][local expert][this rank] (parity: the call's, regions.cuh).
+// expert_recv_count[parity][local expert][this rank] (parity: the call's, common/count_buffers.cuh).
 #pragma once
 
 #include "common/atomics.cuh"

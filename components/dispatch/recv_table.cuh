@@ -1,6 +1,7 @@
 // The receive table: built in shared memory by every CTA after the dispatch barrier, from this rank's
-// expert_recv_count[parity][E_local][R] (the call's parity, regions.cuh). It maps a packed receive index g (rows
-// ordered by local expert, then source rank, then reserved slot) to the source of the row and to its pool row.
+// expert_recv_count[parity][E_local][R] (the call's parity, common/count_buffers.cuh). It maps a packed receive
+// index g (rows ordered by local expert, then source rank, then reserved slot) to the source of the row and to its
+// pool row.
 #pragma once
 
 #include "common/atomics.cuh"

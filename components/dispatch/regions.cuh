@@ -3,6 +3,7 @@
 // includes before this header: it is the single source of truth for the byte map.
 #pragma once
 
+#include "common/count_buffers.cuh"
 #include "common/sym_buffer.cuh"
 
 namespace megamoe::dispatch {
@@ -13,33 +14,13 @@ static_assert(layout::kHidden % 128 == 0, "hidden is a multiple of 128 (one floa
 static_assert(layout::kNumPoolSrcMetadataFields == 4, "pool_src_metadata rows are one uint4");
 
 constexpr uint32_t kNumSfPerRow = layout::kHidden / 128;
-constexpr uint32_t kNumRecvPairs = layout::kNumLocalExperts * layout::kNumRanks;  // (local expert, source rank)
 
-// Workspace: this rank's counters. The send and receive counts are double-buffered by call parity, the low bit
-// of the NVLink barrier ordinal at the call's start (the same on every rank: every rank has passed the same
-// barriers). A call counts into buffer `parity` and zeroes the other one in its head for the next call
-// (combine/clean.cuh: clean_next_parity), so no call needs a barrier at its end before a peer's next notify.
-constexpr uint32_t kNumCountParities = 2;
-static_assert(layout::kExpertSendCountBytes == kNumCountParities * layout::kNumExperts * sizeof(uint32_t),
-              "expert_send_count is [2][E]");
-static_assert(layout::kExpertRecvCountBytes == kNumCountParities * kNumRecvPairs * sizeof(uint32_t),
-              "expert_recv_count is [2][E_local][R]");
-
-MEGAMOE_DEVICE uint32_t* expert_send_count(const SymBuffer& sym, uint32_t parity) {  // [E]
-    return sym.local<uint32_t>(layout::kExpertSendCountOffset) + parity * layout::kNumExperts;
-}
-MEGAMOE_DEVICE uint32_t* expert_recv_count(const SymBuffer& sym, uint32_t parity) {  // [E_local][R]
-    return sym.local<uint32_t>(layout::kExpertRecvCountOffset) + parity * kNumRecvPairs;
-}
+// Workspace: this rank's pool-block arrival counters (the send and receive counts: common/count_buffers.cuh)
 MEGAMOE_DEVICE uint32_t* l1_arrival_count(const SymBuffer& sym) {  // [max pool blocks]
     return sym.local<uint32_t>(layout::kL1ArrivalCountOffset);
 }
 
 // Byte offsets of entries that a source rank writes into the destination rank's workspace
-MEGAMOE_DEVICE uint64_t expert_recv_count_offset(uint32_t parity, uint32_t local_expert, uint32_t src_rank) {
-    return layout::kExpertRecvCountOffset +
-           ((parity * layout::kNumLocalExperts + local_expert) * layout::kNumRanks + src_rank) * sizeof(uint32_t);
-}
 MEGAMOE_DEVICE uint64_t src_token_topk_idx_offset(uint32_t local_expert, uint32_t src_rank, uint32_t slot) {
     const uint64_t idx = (static_cast<uint64_t>(local_expert) * layout::kNumRanks + src_rank) *
                          layout::kNumMaxTokensPerRank + slot;

@@ -48,7 +48,7 @@ DTYPE_BYTES: dict[str, int] = {
     "float8_e4m3fn": 1,
 }
 
-# Buffers of the send and receive counts: one per call parity (dispatch/regions.cuh)
+# Buffers of the send and receive counts: one per call parity (common/count_buffers.cuh)
 COUNT_PARITIES = 2
 
 # Region names in buffer order, grouped. The workspace group is one contiguous span, zeroed once at allocation
@@ -274,7 +274,7 @@ class SymmLayout:
             # words reset themselves, src_token_topk_idx and pool_src_metadata are rewritten for every row.
             ("workspace", "workspace_header", "uint32", (WORKSPACE_HEADER_WORDS,)),
             # Send and receive counts, double-buffered by call parity (the NVLink barrier ordinal's low bit at the
-            # call's start, dispatch/regions.cuh)
+            # call's start, common/count_buffers.cuh)
             ("workspace", "expert_send_count", "uint32", (COUNT_PARITIES, e)),
             ("workspace", "expert_recv_count", "uint32", (COUNT_PARITIES, e_local, r)),
             ("workspace", "src_token_topk_idx", "uint32", (e_local, r, t)),
