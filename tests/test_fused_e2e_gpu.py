@@ -111,10 +111,6 @@ def _check_y(tag: str, y: torch.Tensor, y_ref: torch.Tensor) -> float:
     return err
 
 
-def _check_ready(tag: str, buf, num_tokens: int | None = None) -> None:
-    assert_workspace_ready(buf, tag, num_tokens)
-
-
 @pytest.mark.compile
 def test_fused_e2e_variants_compile() -> None:
     """compile tier: the variants this file launches build (so the carried JIT cache holds them)."""
@@ -155,7 +151,7 @@ def test_fused_e2e(case: E2eCase) -> None:
         torch.cuda.synchronize()
         tag = f"seed {seed} {_case_name(case)} call {call}"
         err = _check_y(tag, y, y_ref)
-        _check_ready(tag, buf, num_tokens)
+        assert_workspace_ready(buf, tag, num_tokens)
         print(f"{tag}: y rel-L2 {err:.3e}")
     # The phase-serial debug order (the TMA-A warp waits for every pool block first) gives the same bits
     from megamoe.fused import run as fused_run
@@ -166,7 +162,7 @@ def test_fused_e2e(case: E2eCase) -> None:
               expected_tokens_per_expert=case.expected_tokens_per_expert, serial=True)
     torch.cuda.synchronize()
     assert torch.equal(y_serial.view(torch.int16), y.view(torch.int16)), f"seed {seed}: serial differs from overlapped"
-    _check_ready(f"seed {seed} serial", buf, num_tokens)
+    assert_workspace_ready(buf, f"seed {seed} serial", num_tokens)
     if case.expected_tokens_per_expert is not None:
         from megamoe.fused import config_for
         expected_bm = heuristics.block_m_for(case.expected_tokens_per_expert)
@@ -226,7 +222,7 @@ def test_fused_stress(num_sms: int | None, delay_pull: bool) -> None:
         torch.cuda.synchronize()
         tag = f"seed {seed} stress sms {num_sms or 'all'} delay {delay_pull} serial {serial}"
         err = _check_y(tag, y, y_ref)
-        _check_ready(tag, buf, case.num_tokens)
+        assert_workspace_ready(buf, tag, case.num_tokens)
         print(f"{tag}: y rel-L2 {err:.3e}")
         out[serial] = y
     assert torch.equal(out[False].view(torch.int16), out[True].view(torch.int16)), \
@@ -275,7 +271,7 @@ def test_fused_repeat_changing_routing() -> None:
         y_ref = reference.moe(x, x_sf, topk_idx, topk_weights, rc.l1_weights[0], rc.l2_weights[0], fast_math=True)
         tag = f"seed {seed} call {call} T {num_tokens}"
         worst = max(worst, _check_y(tag, y, y_ref))
-        _check_ready(tag, buf, num_tokens)
+        assert_workspace_ready(buf, tag, num_tokens)
     print(f"seed {seed}: {NUM_REPEAT_CALLS} calls, worst y rel-L2 {worst:.3e}")
 
 
@@ -303,7 +299,7 @@ def test_fused_cuda_graph_replays() -> None:
         torch.cuda.synchronize()
         y_ref = reference.moe(x, x_sf, topk_idx, topk_weights, rc.l1_weights[0], rc.l2_weights[0], fast_math=True)
         worst = max(worst, _check_y(f"seed {seed} replay {replay_idx}", y, y_ref))
-        _check_ready(f"seed {seed} replay {replay_idx}", buf, num_tokens)
+        assert_workspace_ready(buf, f"seed {seed} replay {replay_idx}", num_tokens)
     print(f"seed {seed}: {NUM_GRAPH_REPLAYS} replays, worst y rel-L2 {worst:.3e}")
 
 
@@ -346,5 +342,5 @@ def test_fused_one_buffer_two_layers_in_one_graph() -> None:
         for layer, ((case, _, _), inputs, y) in enumerate(zip(layers, staging, ys)):
             y_ref = reference.moe(*inputs, case.l1_weights[0], case.l2_weights[0], fast_math=True)
             worst = max(worst, _check_y(f"seed {seed} replay {replay_idx} layer {layer}", y, y_ref))
-        _check_ready(f"seed {seed} replay {replay_idx}", buf, num_tokens[-1])  # the second layer's routing
+        assert_workspace_ready(buf, f"seed {seed} replay {replay_idx}", num_tokens[-1])  # the second layer's routing
     print(f"seed {seed}: 10 replays of 2 layers, worst y rel-L2 {worst:.3e}")

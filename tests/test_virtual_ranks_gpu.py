@@ -21,8 +21,8 @@ torch = pytest.importorskip("torch")
 
 from megamoe import reference, weights  # noqa: E402
 from megamoe.testing.virtual_ranks import grid_per_rank, launch_concurrently, virtual_rank_buffers  # noqa: E402
-from test_fused_e2e_gpu import _check_ready, _check_y, _draw_inputs, _fill  # noqa: E402
-from test_fused_gpu import _seed  # noqa: E402
+from test_fused_e2e_gpu import _check_y, _draw_inputs, _fill  # noqa: E402
+from test_fused_gpu import _seed, assert_workspace_ready  # noqa: E402
 
 # (E per rank, top-k, H, I, T_max): E_local 8
 FUSED_SHAPE = (8, 6, 2048, 1024, 128)
@@ -83,7 +83,7 @@ def test_fused_virtual_ranks(tokens: list[int]) -> None:
         for r in range(num_ranks):
             tag = f"seed {seed} R {num_ranks} T {tokens} call {call} rank {r}"
             err = _check_y(tag, ys[r], y_refs[r])
-            _check_ready(tag, bufs[r], tokens[r])
+            assert_workspace_ready(bufs[r], tag, tokens[r])
             print(f"{tag}: y rel-L2 {err:.3e}")
     # Two calls each added what every local expert received (counted across the ranks); the reference added it once
     for r in range(num_ranks):
@@ -142,8 +142,8 @@ def test_fused_virtual_ranks_back_to_back(num_ranks: int) -> None:
             err = _check_y(tag, ys[call][r], y_refs[r])
             print(f"{tag}: y rel-L2 {err:.3e}")
     for r in range(num_ranks):
-        _check_ready(f"seed {seed} R {num_ranks} rank {r} after {BACK_TO_BACK_CALLS} calls", bufs[r],
-                     tokens[-1][r])
+        assert_workspace_ready(bufs[r], f"seed {seed} R {num_ranks} rank {r} after {BACK_TO_BACK_CALLS} calls",
+                               tokens[-1][r])
 
 
 # The dispatch/combine unit kernel's 2-rank shape (tests/test_dispatch_combine_multigpu.py: SHAPE)
