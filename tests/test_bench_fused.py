@@ -2,6 +2,12 @@
 needs a GPU: bench tier, not a test)."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -91,6 +97,63 @@ def test_phases_table() -> None:
     text = console.export_text()
     assert "E 32 H 4096 I 2048 top-6" in text and "400.0" in text and "rounds 399.0..401.0" in text
     assert "median over 3 rounds" in fields["formula"]
+
+
+def test_targets(tmp_path: Path) -> None:
+    """Issue 15's targets judged on one run: the seeds' median of the call's config where the bench timed it (else
+    the default), against the unit kernel of the same rounds; cases without a target (Pro) and warm rows ignored."""
+    def case(shape: str, tokens: int, seed: int, call_us: float, unit_us: float, floor: float = 184.7,
+             fitted: bool = True, flops: float = 1e9) -> bf.FusedCaseResult:
+        r = bf.FusedCaseResult(case=f"T {tokens} seed {seed}", shape=shape, tokens=tokens, seed=seed,
+                               experts_touched=32, max_rows=4, rows=48, floor_us=floor, block_m=128, y_rel_l2=4e-3,
+                               serial_equals_overlapped=True, warmup=1, iters=1)
+
+        def row(impl: str, us: float, cold: bool = True) -> None:
+            r.record(bf.FusedMeasurement(impl=impl, time_us=us, cold=cold, x_floor=us / floor,
+                                         tflops=flops / us / 1e6))
+        row("fused, overlapped", call_us + 50.0)  # the default: slower, judged only without the call's config
+        if fitted:
+            row("fused, overlapped, config for the call's load (BLOCK_M 32, 8 stages)", call_us)
+            row("fused, overlapped, config for the call's load (BLOCK_M 32, 8 stages)", 1.0, cold=False)
+        row("expert-FFN unit kernel, same rows (+ counter memset)", unit_us)
+        return r
+
+    results = [case("flash", 8, s, us, 180.0, floor=150.0) for s, us in enumerate((167.0, 170.0, 168.0))]
+    results += [case("flash", 128, s, us, 215.0) for s, us in enumerate((220.0, 226.0, 221.0))]
+    flops_4096 = 950e6 * 1300.0  # 950 TFLOP/s at 1300 us
+    results += [case("flash", 4096, s, us, 1150.0, fitted=False, flops=flops_4096)
+                for s, us in enumerate((1250.0, 1260.0, 1240.0))]  # default rows: +50 us each
+    results += [case("pro", 8, 0, 500.0, 520.0)]
+    targets = {t["target"]: t for t in bf.fused_targets(results)}
+    assert set(targets) == {"flash T 8 x floor", "flash T 8 us", "flash T 128 x floor", "flash T 128 us - unit kernel",
+                            "flash T 4096 TFLOP/s", "flash T 4096 unit kernel / fused"}
+    assert targets["flash T 8 x floor"]["value"] == pytest.approx(168.0 / 150.0) and targets["flash T 8 x floor"]["met"]
+    assert targets["flash T 8 us"]["met"] and targets["flash T 8 us"]["seeds"] == 3
+    assert targets["flash T 128 x floor"]["value"] == pytest.approx(221.0 / 184.7)
+    assert targets["flash T 128 x floor"]["met"]
+    assert targets["flash T 128 us - unit kernel"]["value"] == pytest.approx(6.0)
+    assert targets["flash T 128 us - unit kernel"]["met"]
+    # T 4096 has no call's-config row: the default's 1300 / 1310 / 1290 us
+    assert targets["flash T 4096 TFLOP/s"]["value"] == pytest.approx(950.0)
+    assert targets["flash T 4096 TFLOP/s"]["met"]
+    assert targets["flash T 4096 unit kernel / fused"]["value"] == pytest.approx(1150.0 / 1300.0)
+    assert not targets["flash T 4096 unit kernel / fused"]["met"]
+    caption = bf.targets_caption(list(targets.values()), "NVIDIA H100 80GB HBM3")
+    assert "the targets assume an H200" in caption and "flash T 4096 unit kernel / fused 0.8846 (>= 0.9: [red]NO[/])" in caption
+    assert "assume" not in bf.targets_caption(list(targets.values()), "NVIDIA H200")
+    # the report carries them in its JSON fields and its caption
+    fields, _ = bf.fused_report(results[:3])
+    assert [t["target"] for t in fields["targets"]] == ["flash T 8 x floor", "flash T 8 us"]
+    # a run's JSON reads back (scripts/fused_tables.py assembles a note's tables from several)
+    assert [bf.FusedCaseResult.from_json(json.loads(json.dumps(r.as_json())), bf.FusedMeasurement)
+            for r in results] == results
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"bench": "fused", **fields, "results": [r.as_json() for r in results]}))
+    script = Path(__file__).resolve().parent.parent / "scripts" / "fused_tables.py"
+    out = subprocess.run([sys.executable, str(script), str(path)], check=True, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(script.parent.parent / "python"))).stdout
+    assert "| 8 | 167.0 / 170.0 / 168.0 (1.11-1.13x) | 180.0 / 180.0 / 180.0 |" in out
+    assert "flash T 4096 unit kernel / fused 0.8846 (>= 0.9: NO)" in out and "pro:" in out
 
 
 def test_routed_cublas_matches_the_reference() -> None:

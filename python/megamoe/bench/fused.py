@@ -28,7 +28,7 @@ import torch
 from rich.console import Group
 from rich.table import Table
 
-from megamoe.bench.results import CaseResult, Measurement, fmt, results_table
+from megamoe.bench.results import CaseResult, Measurement, fmt, fmt_met, results_table
 from megamoe.bench.timing import HBM_READ_TBPS, l2_flusher, shuffled_rounds, time_queued_us
 
 
@@ -405,6 +405,62 @@ def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSE
     return results
 
 
+# Issue 15's targets (one H200, cold L2, the median over the seeds of one run): (shape, T) -> the checks, each
+# (name, the per-seed value's key in call_values, the goal as text, the test of the seeds' median).
+PEER_SINGLE_RANK_US = {("flash", 8): 173.5, ("flash", 128): 240.1, ("flash", 1024): 518.2, ("flash", 4096): 1627.8,
+                       ("e256", 128): 1566.9}  # DeepGEMM's SM90 MegaMoE, its own benchmark, one rank of an H200
+FUSED_TARGETS: dict[tuple[str, int], list[tuple[str, str, str, Callable[[float], bool]]]] = {
+    ("flash", 8): [("x floor", "x_floor", "<= 1.12", lambda v: v <= 1.12),
+                   ("us", "us", "< the peer's 173.5", lambda v: v < PEER_SINGLE_RANK_US["flash", 8])],
+    ("flash", 128): [("x floor", "x_floor", "<= 1.20", lambda v: v <= 1.20),
+                     ("us - unit kernel", "over_unit_us", "<= 10", lambda v: v <= 10.0)],
+    ("flash", 1024): [("us", "us", "<= 450", lambda v: v <= 450.0)],
+    ("flash", 4096): [("TFLOP/s", "tflops", ">= 950", lambda v: v >= 950.0),
+                      ("unit kernel / fused", "unit_ratio", ">= 0.9", lambda v: v >= 0.9)],
+    ("e256", 128): [("x floor", "x_floor", "<= 1.08", lambda v: v <= 1.08),
+                    ("us", "us", "< the peer's 1566.9", lambda v: v < PEER_SINGLE_RANK_US["e256", 128])],
+}
+
+
+def call_values(result: FusedCaseResult) -> dict[str, float] | None:
+    """The cold numbers the targets judge, of the fused call with the config for the call's load (the default where
+    that is the same config): time, x floor, TFLOP/s, and against the expert-FFN unit kernel in the same rounds."""
+    cold = [m for m in result.measurements if m.cold and m.time_us is not None]
+    fitted = [m for m in cold if m.impl.startswith("fused, overlapped, config for the call's load")]
+    default = [m for m in cold if m.impl == "fused, overlapped"]
+    unit = [m for m in cold if m.impl.startswith("expert-FFN unit kernel")]
+    call = (fitted or default or [None])[0]
+    if call is None or not unit:
+        return None
+    return {"us": call.time_us, "x_floor": call.x_floor, "tflops": call.tflops,
+            "over_unit_us": call.time_us - unit[0].time_us, "unit_ratio": unit[0].time_us / call.time_us}
+
+
+def fused_targets(results: list[FusedCaseResult]) -> list[dict[str, Any]]:
+    """Issue 15's targets judged on one run: per (shape, T) with a target, the median over its seeds."""
+    targets: list[dict[str, Any]] = []
+    for (shape, tokens), checks in FUSED_TARGETS.items():
+        values = [v for r in results if (r.shape, r.tokens) == (shape, tokens) for v in [call_values(r)] if v]
+        for name, key, goal, test in checks if values else []:
+            value = statistics.median(v[key] for v in values)
+            targets.append({"target": f"{shape} T {tokens} {name}", "value": value, "goal": goal, "met": test(value),
+                            "seeds": len(values)})
+    return targets
+
+
+def targets_text(targets: list[dict[str, Any]], markup: bool = True) -> str:
+    """Each target's seed median and whether it is met (rich markup, or plain text for a note)."""
+    def met(t: dict[str, Any]) -> str:
+        return fmt_met(t["met"]) if markup else ("yes" if t["met"] else "NO")
+    return "; ".join(f"{t['target']} {t['value']:.4g} ({t['goal']}: {met(t)})" for t in targets)
+
+
+def targets_caption(targets: list[dict[str, Any]], device: str) -> str:
+    """The table's line of targets (the targets assume an H200)."""
+    machine = "" if "H200" in device else f" (judged on {device}: the targets assume an H200)"
+    return f"issue 15 targets, cold, median over the seeds{machine}: {targets_text(targets)}"
+
+
 def fused_report(results: list[FusedCaseResult]) -> tuple[dict[str, Any], Table]:
     shape = results[0].shape if results else "flash"
     spec = FUSED_SHAPES[shape]
@@ -413,8 +469,8 @@ def fused_report(results: list[FusedCaseResult]) -> tuple[dict[str, Any], Table]
     warmup = results[0].warmup if results else 0
     rounds = max((len(m.rounds_us) for r in results for m in r.measurements), default=0)
     caption = FUSED_FORMULA.format(hbm=HBM_READ_TBPS, iters=iters, warmup=warmup, rounds=rounds)
-    table = results_table(f"megamoe bench fused --shape {shape}: E {e} H {h} I {i} top-{k}, one GPU "
-                          f"({torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'})",
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    table = results_table(f"megamoe bench fused --shape {shape}: E {e} H {h} I {i} top-{k}, one GPU ({device})",
                           ["case", "experts / max rows / rows", "floor us",
                            "y rel-L2 fused / cuBLAS, serial == overlapped", "implementation", "L2", "us", "x floor",
                            "TFLOP/s", "note"],
@@ -428,8 +484,12 @@ def fused_report(results: list[FusedCaseResult]) -> tuple[dict[str, Any], Table]
                           "cold" if m.cold else "warm", fmt(m.time_us, ".1f"), fmt(m.x_floor, ".2f"),
                           fmt(m.tflops, ".0f"), m.note)
         table.add_section()
+    targets = fused_targets(results)
+    if targets:
+        table.caption = f"{caption}\n{targets_caption(targets, device)}"
     phases = phases_table(results)
-    fields = {"shape": {"name": shape, "experts": e, "hidden": h, "intermediate": i, "topk": k}, "formula": caption}
+    fields = {"shape": {"name": shape, "experts": e, "hidden": h, "intermediate": i, "topk": k}, "formula": caption,
+              "device": device, "targets": targets}
     return fields, (table if phases is None else Group(table, phases))
 
 

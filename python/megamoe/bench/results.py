@@ -4,7 +4,7 @@ row type), grouped per case in a `CaseResult`; the rich tables' cells and row la
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
 from rich.table import Table
@@ -79,3 +79,12 @@ class CaseResult(Generic[Row]):
         record = asdict(self)
         record["measurements"] = record.pop("measurements")
         return record
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any], row_type: Callable[..., Row]) -> "CaseResult[Row]":
+        """The result `as_json` wrote (JSON turns tuples into lists), its rows built by `row_type(**row)`."""
+        names = {f.name for f in fields(cls)} - {"measurements"}
+        result = cls(**{k: v for k, v in record.items() if k in names})
+        for row in record.get("measurements", []):
+            result.record(row_type(**row))
+        return result
