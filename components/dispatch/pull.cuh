@@ -47,6 +47,12 @@ MEGAMOE_DEVICE void pull_rows(const DeviceEnv& env, const SymBuffer& sym, const 
     const uint32_t lane = lane_idx();
     const uint32_t num_rows = table.num_rows();
 
+    // NOTES: the source ranks' x rows are generic-proxy stores (their earlier kernels), published to this rank by
+    // the dispatch barrier this warp is past; the issuing lane fences to the async proxy after that acquire and
+    // before its first bulk load (DESIGN 5b; kernel order covers only the source's own GPU).
+    if constexpr (kBulkPull)
+        ptx::fence_proxy_async_global();
+
     bool has_pending = false;
     uint32_t pending_block = 0;
     for (uint32_t g = warp_rank; g < num_rows; g += num_warps) {
@@ -59,7 +65,7 @@ MEGAMOE_DEVICE void pull_rows(const DeviceEnv& env, const SymBuffer& sym, const 
         const uint8_t* src_row = sym.peer<const uint8_t>(x_row_offset(token), loc.src_rank);
         uint8_t* dst_row = pool_row(sym, loc.pool_row);
 
-        // Start the row (input rows were written before the source rank's launch: kernel order, any proxy)
+        // Start the row (the source's input rows: fenced to the async proxy above)
         if constexpr (kBulkPull) {
             if (lane == 0) {
                 ptx::mbarrier_arrive_expect_tx(pull_barrier, layout::kHidden);
@@ -151,6 +157,11 @@ MEGAMOE_DEVICE void pull_rows_pipelined(const DeviceEnv& env, const SymBuffer& s
     float stage_weight = 0.0f;    // lane s: the weight of the row in stage s
     uint32_t stage_pool_row = 0;  // lane s: the pool row of the row in stage s
 
+    // NOTES: the source ranks' x and SF rows are generic-proxy stores (their earlier kernels), published to this
+    // rank by the dispatch barrier this warp is past; the issuing lane fences to the async proxy after that
+    // acquire and before its first bulk load (DESIGN 5b; kernel order covers only the source's own GPU).
+    ptx::fence_proxy_async_global();
+
     // Start row i into its stage: bulk loads of the row (and SF row), metadata now, weight into lane s's register
     const auto issue = [&](uint32_t i) {
         const uint32_t stage = i % kStages;
@@ -161,7 +172,7 @@ MEGAMOE_DEVICE void pull_rows_pipelined(const DeviceEnv& env, const SymBuffer& s
             *sym.local<const uint32_t>(src_token_topk_idx_offset(loc.local_expert, loc.src_rank, loc.src_slot));
         const uint32_t token = token_topk / kNumTopk, slot = token_topk % kNumTopk;
         uint8_t* stage_smem = smem_stages + stage * kPullStageBytes;
-        // Input rows were written before the source rank's launch: kernel order, any proxy
+        // The source's input rows: fenced to the async proxy above
         if (lane == 0) {
             ptx::mbarrier_arrive_expect_tx(stage_barriers + stage, kPullTxBytes);
             ptx::bulk_load_1d(stage_smem, sym.peer<const uint8_t>(x_row_offset(token), loc.src_rank),

@@ -3,6 +3,8 @@ the regions the caller fills (x, x_sf, topk_idx, topk_weights) and the per-rank 
 peers' addresses with (SymBuffer on device)."""
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,8 +112,20 @@ def allocate(group: Any, layout: SymmLayout, device: torch.device) -> SymmBuffer
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
+    # NVLink multicast stays off (DESIGN 6): where the caller left them unset, before torch's symmetric memory
+    # creates anything (NCCL reads its own switch when it creates a communicator: set it before the group's first
+    # collective, as the README says)
+    for name, value in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(name, value)
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch, deprecated (a no-op) since
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            symm_mem.enable_symm_mem_for_group(group.group_name)
     buffer = symm_mem.empty(layout.total_bytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buffer, group=group)
+    if (getattr(handle, "rank", rank), getattr(handle, "world_size", num_ranks)) != (rank, num_ranks):
+        raise RuntimeError(f"symmetric-memory rendezvous gave rank {handle.rank} of {handle.world_size}, the group "
+                           f"rank {rank} of {num_ranks}")
     buffer.zero_()
     torch.cuda.synchronize(device)
     dist.barrier(group=group)

@@ -10,7 +10,6 @@ import queue
 import socket
 import time
 import traceback
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -72,12 +71,7 @@ def _init_rank(rank: int, num_ranks: int, port: int, backend: str, release: Any)
     group = dist.group.WORLD
     cpu_group: Any = group
     if backend == "nccl":
-        import torch.distributed._symmetric_memory as symm_mem
-
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch, a no-op since
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                symm_mem.enable_symm_mem_for_group(group.group_name)
+        # (symmetric memory is enabled for the group where a buffer is allocated: megamoe.buffer.allocate)
         try:
             cpu_group = dist.new_group(backend="gloo")
         except Exception:
