@@ -113,3 +113,16 @@ def test_allocate_several_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     handle_rank[0] = 0
     with pytest.raises(RuntimeError, match="rendezvous gave rank 0 of 2, the group rank 1 of 2"):
         mb.allocate(group, layout, torch.device("cpu"))
+
+
+def test_barrier_timeout_reports_say_what_the_values_mean() -> None:
+    """A timeout at an NVLink barrier or at the combine rows explains its values and, since a call has no end barrier,
+    that a rank missing from the signal may still be in its previous call."""
+    from megamoe.jit.diagnostics import TimeoutReport
+
+    barrier = str(TimeoutReport(0, 3, 3, 0, 30000.0, "nvl_dispatch", (1, 2, 7)))
+    assert "timed out at 'nvl_dispatch' after 30000.0 ms, values (1, 2, 7)" in barrier
+    assert "still in their previous call" in barrier
+    rows = str(TimeoutReport(1, 0, 0, 0, 120000.0, "combine_rows", (5, 6, 41), role="math"))
+    assert "the token's arrived rows, the rows expected, the token" in rows
+    assert str(TimeoutReport(0, 0, 0, 0, 1.0, "gemm_full", (0, 0, 0))).endswith("values (0, 0, 0)")

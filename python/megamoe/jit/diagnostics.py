@@ -42,8 +42,20 @@ class TimeoutReport:
     role: str = "common"
 
     def __str__(self) -> str:
+        hint = WAIT_HINTS.get(self.tag)
         return (f"rank {self.rank} SM {self.sm_idx} block {self.block_idx} thread {self.thread_idx} ({self.role}): "
-                f"timed out at '{self.tag}' after {self.waited_ms:.1f} ms, values {self.values}")
+                f"timed out at '{self.tag}' after {self.waited_ms:.1f} ms, values {self.values}"
+                + (f" ({hint})" if hint else ""))
+
+
+# What a timeout at the NVLink barriers says about the peers. The fused kernel has no barrier at the end of a call,
+# so a rank can wait at call n + 1's dispatch barrier (timeout tier 1x) for a peer still in call n's reduce (4x),
+# which waits for rows of a third rank that failed: the first report need not name the rank at fault.
+_BARRIER_HINT = ("values: signal word, its target, barrier ordinal; the ranks missing from the signal have not "
+                 "reached this barrier: crashed, not launched, or still in their previous call")
+WAIT_HINTS = {"nvl_dispatch": _BARRIER_HINT, "nvl_combine": _BARRIER_HINT,
+              "combine_rows": "values: the token's arrived rows, the rows expected, the token: a peer has not sent "
+                              "this token's rows back"}
 
 
 class TimeoutRecords:
