@@ -14,7 +14,6 @@ from megamoe.heuristics import NUM_THREADS
 if TYPE_CHECKING:
     from megamoe.buffer import SymmBuffer
     from megamoe.jit.diagnostics import PhaseTimes
-    from megamoe.jit.runtime import Kernel
     from megamoe.weights import WeightPair
 
 DEBUG_HANG_AT_DISPATCH_BARRIER = 1  # assembler/fused_traits.cuh: kDebugHangAtDispatchBarrier
@@ -69,24 +68,6 @@ def _variant(buf: SymmBuffer, activation_clamp: float | None, fast_math: bool,
     return config, runtime.kernel_for(compile_fused, config, NUM_THREADS)
 
 
-def meet_peers_before_first_launch(buf: SymmBuffer, kernel: Kernel, smem_bytes: int) -> None:
-    """DESIGN 5c, host path: a rank that compiles or loads a variant while its peers already wait at the kernel's
-    NVLink barrier times them out, so the first launch of a variant in this process (several ranks over a process
-    group) loads it and then meets every rank of the group. Every rank makes the same sequence of calls (each is
-    collective, with arguments all ranks share), so all of them meet at the same call. Not inside a CUDA-graph
-    capture: the barrier would be captured."""
-    if buf.group is None or buf.num_ranks == 1 or kernel.is_loaded(buf.device):
-        return
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("megamoe.fused: the first call with these arguments is inside a CUDA-graph capture; with "
-                           "several ranks make one eager call with the same arguments first (it loads the kernel "
-                           "and meets the peers)")
-    import torch.distributed as dist
-
-    kernel.load(buf.device, smem_bytes)
-    dist.barrier(group=buf.group)
-
-
 def prepare(buf: SymmBuffer, *, activation_clamp: float | None = None, fast_math: bool = True,
             expected_tokens_per_expert: float | None = None, serial: bool = False) -> FusedConfig:
     """Compile and load the variant `run` launches with these arguments, and allocate the timeout records, so
@@ -121,7 +102,6 @@ def run(y: torch.Tensor, l1: WeightPair, l2: WeightPair, buf: SymmBuffer, num_to
 
     grid = num_sms or runtime.num_sms(buf.device)
     config, kernel = _variant(buf, activation_clamp, fast_math, expected_tokens_per_expert, serial, pull_stages)
-    meet_peers_before_first_launch(buf, kernel, config.smem_bytes)
     if min_wave_l1_tiles is not None and not (isinstance(min_wave_l1_tiles, int) and 0 <= min_wave_l1_tiles < 2**32):
         raise ValueError(f"min_wave_l1_tiles must be an int in [0, 2**32), got {min_wave_l1_tiles!r}")
     capacity = 0

@@ -138,11 +138,6 @@ class Kernel:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _max_active_clusters: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
 
-    def is_loaded(self, device: torch.device) -> bool:
-        """Whether the module is loaded on `device` (by `load` or an earlier launch)."""
-        with self._lock:
-            return (device.index if device.index is not None else torch.cuda.current_device()) in self._loaded
-
     def load(self, device: torch.device, dynamic_smem_bytes: int) -> None:
         """Load the module on `device` and allow `dynamic_smem_bytes` now, so that a later launch does no driver
         work first (concurrent cooperative launches: megamoe.testing.virtual_ranks)."""
