@@ -27,7 +27,7 @@ def seed_cells(cases: list[FusedCaseResult]) -> tuple[str, str]:
         return "n/a", "n/a"
     floors = [v["x_floor"] for v in values]
     call = " / ".join(f"{v['us']:.1f}" for v in values) + f" ({min(floors):.2f}-{max(floors):.2f}x)"
-    return call, " / ".join(f"{v['us'] - v['over_unit_us']:.1f}" for v in values)
+    return call, " / ".join(f"{v['unit_us']:.1f}" for v in values)
 
 
 def main() -> None:

@@ -432,8 +432,9 @@ def call_values(result: FusedCaseResult) -> dict[str, float] | None:
     call = (fitted or default or [None])[0]
     if call is None or not unit:
         return None
-    return {"us": call.time_us, "x_floor": call.x_floor, "tflops": call.tflops,
-            "over_unit_us": call.time_us - unit[0].time_us, "unit_ratio": unit[0].time_us / call.time_us}
+    unit_us = unit[0].time_us
+    return {"us": call.time_us, "x_floor": call.x_floor, "tflops": call.tflops, "unit_us": unit_us,
+            "over_unit_us": call.time_us - unit_us, "unit_ratio": unit_us / call.time_us}
 
 
 def fused_targets(results: list[FusedCaseResult]) -> list[dict[str, Any]]:
@@ -441,7 +442,9 @@ def fused_targets(results: list[FusedCaseResult]) -> list[dict[str, Any]]:
     targets: list[dict[str, Any]] = []
     for (shape, tokens), checks in FUSED_TARGETS.items():
         values = [v for r in results if (r.shape, r.tokens) == (shape, tokens) for v in [call_values(r)] if v]
-        for name, key, goal, test in checks if values else []:
+        if not values:
+            continue
+        for name, key, goal, test in checks:
             value = statistics.median(v[key] for v in values)
             targets.append({"target": f"{shape} T {tokens} {name}", "value": value, "goal": goal, "met": test(value),
                             "seeds": len(values)})
