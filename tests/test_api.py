@@ -1,6 +1,7 @@
 """API argument validation (DESIGN section 7), on CPU: every bad argument raises a clear error before a launch."""
 from __future__ import annotations
 
+import gc
 import re
 
 import pytest
@@ -177,3 +178,60 @@ def test_fused_rejects_duplicate_experts_and_bad_scales(setup) -> None:
 def test_zero_tokens_is_valid(setup) -> None:
     buf, l1, l2, _ = setup
     assert megamoe.api.validate_fused_args(torch.empty(0, H, dtype=torch.bfloat16), l1, l2, buf) == 0
+
+
+def test_fused_rejects_weights_not_from_transform_weights(setup) -> None:
+    """The layout cannot be told from the bytes: weights that skipped transform_weights (natural, or w1 with its rows
+    interleaved by the caller as DeepGEMM's layout has them) are refused by name; tensors sharing the transform's
+    storage pass, a copy passes once declared with mark_transformed, and a freed transform's address does not."""
+    from megamoe import weights
+
+    buf, l1, l2, y = setup
+    natural = (quant.per_block_cast_to_fp8(torch.randn(E, 2 * I, H)),
+               quant.per_block_cast_to_fp8(torch.randn(E, H, I)))
+    with pytest.raises(ValueError, match=re.escape("l1_weights[0] (w1) is not in the fused kernel's layout")):
+        megamoe.fused(y, *natural, buf)
+    perm = weights.l1_interleave_permutation(I)
+    interleaved = ((natural[0][0][:, perm].contiguous(), natural[0][1]), natural[1])
+    with pytest.raises(ValueError, match="transform_weights"):
+        megamoe.api.validate_fused_args(y, *interleaved, buf)
+    # w1 from the transform, w2 not: w2 named
+    with pytest.raises(ValueError, match=re.escape("l2_weights[0] (w2)")):
+        megamoe.api.validate_fused_args(y, l1, natural[1], buf)
+    # what a serving framework does with the transform's tensors: parameters over them, .data, whole views
+    params = tuple((torch.nn.Parameter(w, requires_grad=False), sf) for w, sf in (l1, l2))
+    assert megamoe.api.validate_fused_args(y, *params, buf) == T_MAX
+    assert megamoe.api.validate_fused_args(y, (l1[0].data, l1[1]), (l2[0].view(l2[0].shape), l2[1]), buf) == T_MAX
+    # the transform's bytes copied into other tensors: refused until declared
+    copies = tuple((w.clone(), sf) for w, sf in (l1, l2))
+    assert not weights.is_transformed(*copies)
+    with pytest.raises(ValueError, match="mark_transformed"):
+        megamoe.api.validate_fused_args(y, *copies, buf)
+    weights.mark_transformed(*copies)
+    assert weights.is_transformed(*copies)
+    assert megamoe.api.validate_fused_args(y, *copies, buf) == T_MAX
+    # the record lives as long as the storage: dropped with its last tensor
+    key = ("w1", copies[0][0].data_ptr())
+    assert key in weights._TRANSFORMED
+    del copies, params
+    gc.collect()
+    assert key not in weights._TRANSFORMED or weights._TRANSFORMED[key][1]() is None
+    # and compat's entry point checks the same
+    with pytest.raises(ValueError, match="is not in the fused kernel's layout"):
+        megamoe.fp8_mega_moe(y, *natural, buf)
+
+
+def test_check_inputs_switch(setup, monkeypatch) -> None:
+    """MEGAMOE_CHECK_INPUTS=0 turns the default routing check off (the call then reaches the kernel gate);
+    check_inputs=True still checks."""
+    buf, l1, l2, y = setup
+    buf.topk_idx[2, 0] = E
+    with pytest.raises(ValueError, match="expert ids"):
+        megamoe.fused(y, l1, l2, buf)
+    monkeypatch.setenv("MEGAMOE_CHECK_INPUTS", "0")
+    with pytest.raises(RuntimeError, match="SM90 GPU"):
+        megamoe.fused(y, l1, l2, buf)
+    with pytest.raises(RuntimeError, match="SM90 GPU"):
+        megamoe.fp8_mega_moe(y, l1, l2, buf)
+    with pytest.raises(ValueError, match="expert ids"):
+        megamoe.fp8_mega_moe(y, l1, l2, buf, check_inputs=True)

@@ -12,7 +12,9 @@ torch = pytest.importorskip("torch")
 def test_allocate_several_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """megamoe.buffer.allocate with several ranks (a stand-in for torch's symmetric memory, on the CPU): the
     no-multicast switches are set where unset before any symmetric memory exists, the group is enabled for symmetric
-    memory before the rendezvous, and a rendezvous that disagrees with the group's rank is an error."""
+    memory before the rendezvous, the barrier runs on the buffer's device (NCCL's runs on the current one), and a
+    rendezvous that disagrees with the group's rank is an error."""
+    import contextlib
     import sys
     import types
 
@@ -40,7 +42,16 @@ def test_allocate_several_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dist, "_symmetric_memory", fake, raising=False)
     monkeypatch.setattr(dist, "get_rank", lambda group: 1)
     monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
-    monkeypatch.setattr(dist, "barrier", lambda group: calls.append("barrier"))
+    current_device: list[Any] = [None]
+
+    @contextlib.contextmanager
+    def cuda_device(device: Any):  # type: ignore[no-untyped-def]
+        previous, current_device[0] = current_device[0], device
+        yield
+        current_device[0] = previous
+
+    monkeypatch.setattr(torch.cuda, "device", cuda_device)
+    monkeypatch.setattr(dist, "barrier", lambda group: calls.append(f"barrier on {current_device[0]}"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     for name in mb.NO_MULTICAST_ENV:
         monkeypatch.delenv(name, raising=False)
@@ -50,8 +61,10 @@ def test_allocate_several_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     layout = SymmLayout.create(2, 16, 64, 4, 512, 256)
     buf = mb.allocate(group, layout, torch.device("cpu"))
     assert (buf.rank, buf.num_ranks) == (1, 2)
-    assert calls == ["enable g0", "empty multicast_off=1", "rendezvous", "barrier"]
+    assert calls == ["enable g0", "empty multicast_off=1", "rendezvous", "barrier on cpu"]  # the buffer's device
     assert all(mb.os.environ[name] == value for name, value in mb.NO_MULTICAST_ENV.items())
+    buf.destroy()
+    assert calls[-1] == "barrier on cpu" and buf.buffer is None
 
     handle_rank[0] = 0
     with pytest.raises(RuntimeError, match="rendezvous gave rank 0 of 2, the group rank 1 of 2"):
@@ -69,3 +82,34 @@ def test_barrier_timeout_reports_say_what_the_values_mean() -> None:
     rows = str(TimeoutReport(1, 0, 0, 0, 120000.0, "combine_rows", (5, 6, 41), role="math"))
     assert "the token's arrived rows, the rows expected, the token" in rows
     assert str(TimeoutReport(0, 0, 0, 0, 1.0, "gemm_full", (0, 0, 0))).endswith("values (0, 0, 0)")
+
+
+def test_input_fill_without_tokens_loads_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose first layer call has no tokens still compiles and loads the input fill kernel (without a launch),
+    so that no later call compiles it while the peers wait at the fused kernel's NVLink barrier."""
+    import megamoe
+    from megamoe.jit import runtime
+    from megamoe.kernels import input_cast
+
+    events: list[tuple] = []
+
+    class Kernel:
+        def load(self, device: Any, dynamic_smem_bytes: int) -> None:
+            events.append(("load", device))
+
+        def launch(self, num_blocks: int, *args: Any, **kwargs: Any) -> None:
+            events.append(("launch", num_blocks))
+
+    def kernel_for(compile_fn: Any, config: Any, *args: Any, **kwargs: Any) -> Kernel:
+        events.append(("kernel_for", config.name))
+        return Kernel()
+
+    monkeypatch.setattr(runtime, "kernel_for", kernel_for)
+    buf = megamoe.get_symm_buffer(None, 8, 16, 2, 256, 128, device="cpu")
+    empty = (torch.empty(0, 256, dtype=torch.bfloat16), torch.empty(0, 2, dtype=torch.int32), torch.empty(0, 2))
+    assert input_cast.run(buf, *empty) == 0
+    assert events == [("kernel_for", "megamoe_input_cast_h256_k2_i32"), ("load", torch.device("cpu"))]
+    events.clear()
+    tokens = (torch.randn(3, 256).bfloat16(), torch.zeros(3, 2, dtype=torch.int32), torch.rand(3, 2))
+    assert input_cast.run(buf, *tokens) == 3
+    assert events == [("kernel_for", "megamoe_input_cast_h256_k2_i32"), ("launch", 3)]

@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from megamoe import buffer as _buffer
+from megamoe import envs
 from megamoe.layout import SymmLayout, validate_moe_shape
-from megamoe.weights import transform_weights, validate_weights
+from megamoe.weights import check_transformed, transform_weights, validate_weights
 
 __all__ = ["get_symm_buffer", "transform_weights", "fused", "validate_fused_args"]
 
@@ -90,6 +91,7 @@ def validate_fused_args(y: Any, l1_weights: Any, l2_weights: Any, buf: Any, num_
     if shapes.device != device:
         raise ValueError(f"l1_weights/l2_weights must be on {device} (the symmetric buffer's device), "
                          f"got {shapes.device}")
+    check_transformed(l1_weights, l2_weights)
     if cumulative_local_expert_recv_stats is not None:
         _check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32,
                       (layout.num_local_experts,), device)
@@ -148,12 +150,14 @@ def fused(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tensor],
     """Run the MoE layer for this rank's first `num_tokens` tokens in `buf` into `y` (collective over buf.group:
     every rank calls it, with the same `expected_tokens_per_expert` and `num_sms`). Weights come from
     `transform_weights`. `check_inputs=False` skips the routing checks that read device memory (a device sync);
-    the default skips them only while the current stream is capturing a CUDA graph. `num_sms`: the grid size
+    the default skips them while the current stream is capturing a CUDA graph, and always where the environment
+    sets MEGAMOE_CHECK_INPUTS=0 (serving frameworks that call DeepGEMM's `fp8_mega_moe` eagerly and cannot pass it). `num_sms`: the grid size
     (default: every SM). The launch is cooperative: a full grid starts
     only once every other kernel on the GPU has drained; with fewer SMs it runs beside them.
     """
     if check_inputs is None:
-        check_inputs = not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        check_inputs = envs.check_inputs_default() and not (torch.cuda.is_available() and
+                                                             torch.cuda.is_current_stream_capturing())
     num_tokens = validate_fused_args(y, l1_weights, l2_weights, buf, num_tokens, cumulative_local_expert_recv_stats,
                                      activation_clamp, fast_math, expected_tokens_per_expert, check_inputs)
     if buf.device.type != "cuda" or torch.cuda.get_device_capability(buf.device) != (9, 0):

@@ -91,7 +91,8 @@ class SymmBuffer:
             import torch.distributed as dist
 
             torch.cuda.synchronize(self.device)
-            dist.barrier(group=self.group)
+            with torch.cuda.device(self.device):  # NCCL's barrier runs on the current device: make it the buffer's
+                dist.barrier(group=self.group)
         self.handle = None
         self.buffer = None  # type: ignore[assignment]
         for name in ("x", "x_sf", "topk_idx", "topk_weights"):
@@ -128,5 +129,6 @@ def allocate(group: Any, layout: SymmLayout, device: torch.device) -> SymmBuffer
                            f"rank {rank} of {num_ranks}")
     buffer.zero_()
     torch.cuda.synchronize(device)
-    dist.barrier(group=group)
+    with torch.cuda.device(device):  # NCCL's barrier runs on the current device: make it the buffer's
+        dist.barrier(group=group)
     return SymmBuffer(group, layout, rank, num_ranks, buffer, tuple(int(p) for p in handle.buffer_ptrs), handle)

@@ -24,6 +24,12 @@ def print_configs() -> bool:
     return _flag("MEGAMOE_PRINT_CONFIGS")
 
 
+def check_inputs_default() -> bool:
+    """MEGAMOE_CHECK_INPUTS=0: `fused` (and DeepGEMM's `fp8_mega_moe`) skip the routing checks that read device memory
+    (a device sync per call) unless the caller passes check_inputs=True; default 1 (checked on eager calls)."""
+    return os.environ.get("MEGAMOE_CHECK_INPUTS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def n_major_override() -> int:
     """MEGAMOE_NMAJOR=-1|0|1: L2 block order (-1 auto by expected tokens per expert, 0 M-major, 1 N-major)."""
     value = int(os.environ.get("MEGAMOE_NMAJOR", "-1"))

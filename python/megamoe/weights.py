@@ -6,9 +6,16 @@ and w2 are stored in the tile layout (`tile_weights`), in which each 128-row x 1
 [N, K] matrix is 16 KB of consecutive bytes, already in the 128 B swizzle of the kernels' shared-memory stages, so
 that the kernels load it with one non-tensor bulk copy (components/gemm/producer.cuh: produce_b_tile).
 `inverse_transform_weights(*transform_weights(l1, l2))` gives back the inputs bit for bit.
+
+The layout cannot be told from the bytes, so `transform_weights` records the tensors it returns (by storage, for as
+long as the storage lives) and `megamoe.fused` refuses weights it has no record of (`check_transformed`): natural
+weights, or w1 with the gate / up rows interleaved by the caller (DeepGEMM's layout), would otherwise give wrong
+output with no error. Weights that hold the transform's bytes in other tensors (copied, loaded from a file) are
+declared with `mark_transformed`.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +26,11 @@ from .quant import BLOCK
 __all__ = [
     "INTERLEAVE",
     "WeightShapes",
+    "check_transformed",
     "inverse_transform_weights",
+    "is_transformed",
     "l1_interleave_permutation",
+    "mark_transformed",
     "tile_weights",
     "transform_weights",
     "untile_weights",
@@ -153,17 +163,64 @@ def untile_weights(w: Tensor) -> Tensor:
     return x.permute(0, 1, 3, 4, 2, 5, 6).contiguous().view(w.dtype).view(w.shape)
 
 
+# The w1 / w2 tensors in the kernel's layout: (role, data_ptr) -> (shape, weak reference to the storage). An entry
+# counts only while its storage lives, so memory freed and reused by other weights is not mistaken for it; tensors
+# that share the storage (nn.Parameter(w), w.data, views of the whole tensor) are the same weights.
+_TRANSFORMED: dict[tuple[str, int], tuple[tuple[int, ...], weakref.ref]] = {}
+
+
+def _record(role: str, t: Tensor) -> None:
+    for key in [k for k, (_, ref) in _TRANSFORMED.items() if ref() is None]:
+        del _TRANSFORMED[key]
+    _TRANSFORMED[(role, t.data_ptr())] = (tuple(t.shape), weakref.ref(t.untyped_storage()))
+
+
+def _recorded(role: str, t: Tensor) -> bool:
+    entry = _TRANSFORMED.get((role, t.data_ptr()))
+    return entry is not None and entry[0] == tuple(t.shape) and entry[1]() is not None
+
+
+def mark_transformed(l1_weights: WeightPair, l2_weights: WeightPair) -> None:
+    """Declare (w1, w1_sf), (w2, w2_sf) to hold `transform_weights`' output (e.g. copied into parameters or loaded
+    from a file written from it), so that `megamoe.fused` accepts them. The bytes are not checked: weights in any
+    other layout give wrong output."""
+    validate_weights(l1_weights, l2_weights)
+    _record("w1", l1_weights[0])
+    _record("w2", l2_weights[0])
+
+
+def is_transformed(l1_weights: WeightPair, l2_weights: WeightPair) -> bool:
+    """Whether w1 and w2 are tensors `transform_weights` returned (or `mark_transformed` declared)."""
+    return _recorded("w1", l1_weights[0]) and _recorded("w2", l2_weights[0])
+
+
+def check_transformed(l1_weights: WeightPair, l2_weights: WeightPair) -> None:
+    """ValueError naming the weight that is not in the kernel's layout (see the module docstring)."""
+    for name, role, t in (("l1_weights[0] (w1)", "w1", l1_weights[0]), ("l2_weights[0] (w2)", "w2", l2_weights[0])):
+        if not _recorded(role, t):
+            raise ValueError(
+                f"{name} is not in the fused kernel's layout: pass the natural weights through "
+                f"megamoe.transform_weights (transform_weights_for_mega_moe_sm90 under DeepGEMM's names), which "
+                f"interleaves w1's gate / up rows and stores w1 and w2 in the tile layout; w1 with its rows "
+                f"interleaved by the caller is not enough. Tensors that hold the transform's output copied or "
+                f"loaded from a file: declare them with megamoe.weights.mark_transformed(l1_weights, l2_weights).")
+
+
 def transform_weights(l1_weights: WeightPair, l2_weights: WeightPair) -> tuple[WeightPair, WeightPair]:
     """Natural weights -> the fused kernel's layout: ((w1_tiled, w1_sf), (w2_tiled, w2_sf)).
 
     w1's rows are interleaved in groups of 8 (`l1_interleave_permutation`), then w1 and w2 are stored in the tile
     layout (`tile_weights`), each a new contiguous tensor of the original shape. w1_sf and w2_sf are returned as the
-    same tensor objects (no copy): scales stay in the natural [E_local, N/128, K/128] layout.
+    same tensor objects (no copy): scales stay in the natural [E_local, N/128, K/128] layout. The returned w1 and w2
+    are recorded as the kernel's layout (`check_transformed`).
     """
     shapes = validate_weights(l1_weights, l2_weights)
     w1, w1_sf = l1_weights
     perm = l1_interleave_permutation(shapes.intermediate, device=shapes.device)
-    return (tile_weights(_permute_rows(w1, perm)), w1_sf), (tile_weights(l2_weights[0]), l2_weights[1])
+    l1 = (tile_weights(_permute_rows(w1, perm)), w1_sf)
+    l2 = (tile_weights(l2_weights[0]), l2_weights[1])
+    mark_transformed(l1, l2)
+    return l1, l2
 
 
 def inverse_transform_weights(l1_weights: WeightPair, l2_weights: WeightPair) -> tuple[WeightPair, WeightPair]:

@@ -113,10 +113,13 @@ def fill(x: torch.Tensor, x_sf: torch.Tensor, topk_idx_out: torch.Tensor, topk_w
     num_tokens = check_inputs(x, x_sf, topk_idx_out, topk_weights_out, hidden_states, topk_idx, topk_weights,
                               num_tokens)
     num_rows = topk_idx_out.shape[0] if clear_rows else num_tokens
-    if num_rows == 0:
-        return 0
     config = InputCastConfig(x.shape[1], topk_idx_out.shape[1], topk_idx.dtype == torch.int64)
     kernel = runtime.kernel_for(compile_input_cast, config, NUM_THREADS, cooperative=False)
+    if num_rows == 0:
+        # Nothing to fill, but the kernel is compiled and loaded now: a rank whose first call has no tokens must
+        # not compile it later, in a call whose peers wait for it at the fused kernel's NVLink barrier
+        kernel.load(x.device, 0)
+        return 0
     args = CastArgsStruct(hidden_states.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), x.data_ptr(),
                           x_sf.data_ptr(), topk_idx_out.data_ptr(), topk_weights_out.data_ptr(),
                           float(routed_scaling_factor), num_tokens)
