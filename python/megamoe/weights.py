@@ -15,6 +15,7 @@ declared with `mark_transformed`.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -121,46 +122,59 @@ def l1_interleave_permutation(intermediate: int, device: torch.device | str = "c
     return torch.stack([rows, rows + intermediate], dim=1).flatten()
 
 
-def _permute_rows(w1: Tensor, perm: Tensor) -> Tensor:
-    """w1[:, perm] as a new contiguous tensor (gathered as bytes: FP8 index kernels are not on every build)."""
-    return w1.view(torch.uint8).index_select(1, perm.to(w1.device)).view(w1.dtype)
-
-
 # The tile layout: blocks of TILE_ROWS rows x TILE_BYTES bytes, 16 B chunks swizzled within each row by the row's
 # index mod 8 (the TMA's and WGMMA's 128 B swizzle: chunk c of row r sits at position c ^ (r % 8))
 TILE_ROWS = TILE_BYTES = 128
 SWIZZLE_CHUNK = 16
 
 
-def _tile_dims(w: Tensor) -> tuple[int, int, int, int]:
-    """(E, N/128, K/128, row groups of 8 per block) of an [E, N, K] weight; N and K must be multiples of 128."""
-    e, n, k = w.shape
+def _chunk_order(w: Tensor, row_perm: Tensor | None = None) -> Tensor:
+    """int64 [N K / 16]: chunk i of one expert's [N, K] in the tile layout is chunk order[i] of the row-major one
+    (16 B chunks, row-major order), after w's rows are permuted by `row_perm` (tile row n is natural row
+    row_perm[n]) if given. N and K must be multiples of 128."""
+    _, n, k = w.shape
     if n % TILE_ROWS or k % TILE_BYTES:
         raise ValueError(f"the tile layout needs N and K multiples of {TILE_ROWS}, got shape {tuple(w.shape)}")
-    return e, n // TILE_ROWS, k // TILE_BYTES, TILE_ROWS // 8
+    chunks = TILE_BYTES // SWIZZLE_CHUNK
+    arange = functools.partial(torch.arange, device=w.device)
+    # Tile chunk (n block, k block, row r of the block, position p) holds the row's chunk p ^ (r % 8) of that k block
+    n_block = arange(n // TILE_ROWS).view(-1, 1, 1, 1)
+    k_block = arange(k // TILE_BYTES).view(1, -1, 1, 1)
+    r = arange(TILE_ROWS).view(1, 1, -1, 1)
+    p = arange(chunks).view(1, 1, 1, -1)
+    row = n_block * TILE_ROWS + r
+    if row_perm is not None:
+        row = row_perm.to(w.device)[row]
+    return (row * (k // SWIZZLE_CHUNK) + k_block * chunks + (p ^ (r % 8))).flatten()
 
 
-def _swizzle(x: Tensor) -> Tensor:
-    """uint8 [e, nb, kb, row group, row mod 8, 16 B chunk, byte] with position c of row r holding chunk c ^ r (its
-    own inverse: c ^ r ^ r = c)."""
-    r = torch.arange(8, device=x.device)
-    index = (r.view(8, 1) ^ r.view(1, 8)).view(1, 1, 1, 1, 8, 8, 1).expand(*x.shape[:6], SWIZZLE_CHUNK)
-    return torch.gather(x, 5, index)
+def _chunks(w: Tensor) -> Tensor:
+    """int64 [E, N K / 16, 2]: w's bytes (contiguous) as 16 B chunks, moved as pairs of 8 B words."""
+    return w.contiguous().view(torch.uint8).view(w.shape[0], -1, SWIZZLE_CHUNK).view(torch.int64)
+
+
+def _to_tiles(w: Tensor, row_perm: Tensor | None = None) -> Tensor:
+    """One gather: the output (a new tensor) is all it allocates besides the index (N K / 2 bytes, one expert's
+    worth): no intermediate copy of the weights, whose size is what bounds a transform on a full GPU."""
+    return _chunks(w).index_select(1, _chunk_order(w, row_perm)).view(w.dtype).view(w.shape)
+
+
+def _from_tiles(w: Tensor, row_perm: Tensor | None = None) -> Tensor:
+    """The inverse of `_to_tiles` (one scatter into a new tensor)."""
+    out = torch.empty_like(w, memory_format=torch.contiguous_format)
+    _chunks(out).index_copy_(1, _chunk_order(w, row_perm), _chunks(w))
+    return out
 
 
 def tile_weights(w: Tensor) -> Tensor:
     """e4m3 [E, N, K] row-major -> the same shape in the tile layout: for each expert, n block and k block (in that
     order) 16 KB = 128 rows of 128 B, the 16 B chunks of row r in the order c ^ (r % 8). A new tensor."""
-    e, nb, kb, rg = _tile_dims(w)
-    x = w.contiguous().view(torch.uint8).view(e, nb, rg, 8, kb, 8, SWIZZLE_CHUNK).permute(0, 1, 4, 2, 3, 5, 6)
-    return _swizzle(x).contiguous().view(w.dtype).view(w.shape)
+    return _to_tiles(w)
 
 
 def untile_weights(w: Tensor) -> Tensor:
     """The inverse of `tile_weights`: the tile layout -> row-major, same shape. A new tensor."""
-    e, nb, kb, rg = _tile_dims(w)
-    x = _swizzle(w.contiguous().view(torch.uint8).view(e, nb, kb, rg, 8, 8, SWIZZLE_CHUNK))
-    return x.permute(0, 1, 3, 4, 2, 5, 6).contiguous().view(w.dtype).view(w.shape)
+    return _from_tiles(w)
 
 
 # The w1 / w2 tensors in the kernel's layout: (role, data_ptr) -> (shape, weak reference to the storage). An entry
@@ -215,10 +229,9 @@ def transform_weights(l1_weights: WeightPair, l2_weights: WeightPair) -> tuple[W
     are recorded as the kernel's layout (`check_transformed`).
     """
     shapes = validate_weights(l1_weights, l2_weights)
-    w1, w1_sf = l1_weights
     perm = l1_interleave_permutation(shapes.intermediate, device=shapes.device)
-    l1 = (tile_weights(_permute_rows(w1, perm)), w1_sf)
-    l2 = (tile_weights(l2_weights[0]), l2_weights[1])
+    l1 = (_to_tiles(l1_weights[0], perm), l1_weights[1])
+    l2 = (_to_tiles(l2_weights[0]), l2_weights[1])
     mark_transformed(l1, l2)
     return l1, l2
 
@@ -226,7 +239,5 @@ def transform_weights(l1_weights: WeightPair, l2_weights: WeightPair) -> tuple[W
 def inverse_transform_weights(l1_weights: WeightPair, l2_weights: WeightPair) -> tuple[WeightPair, WeightPair]:
     """The kernel's layout -> natural weights; exact inverse of `transform_weights` (same aliasing rules)."""
     shapes = validate_weights(l1_weights, l2_weights)
-    w1, w1_sf = l1_weights
     perm = l1_interleave_permutation(shapes.intermediate, device=shapes.device)
-    return ((_permute_rows(untile_weights(w1), torch.argsort(perm)), w1_sf),
-            (untile_weights(l2_weights[0]), l2_weights[1]))
+    return (_from_tiles(l1_weights[0], perm), l1_weights[1]), (_from_tiles(l2_weights[0]), l2_weights[1])
