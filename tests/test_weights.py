@@ -1,4 +1,5 @@
-"""cpu tier: the weight transform is a pure permutation with the layout of DESIGN section 4."""
+"""cpu tier: the weight transform is a pure permutation with the layout of DESIGN section 4 (gpu tier: the same bytes
+when it runs on the GPU)."""
 from __future__ import annotations
 
 import random
@@ -152,3 +153,16 @@ def test_transform_rejects_non_pairs() -> None:
         transform_weights(l1, (l2[0], None))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="intermediate must be a positive multiple of 8"):
         l1_interleave_permutation(100)
+
+
+@pytest.mark.gpu
+def test_transform_on_the_gpu_gives_the_same_bytes() -> None:
+    """The transform runs where the weights are (a serving framework transforms on the GPU): the same bytes as on
+    the CPU, both ways."""
+    l1, l2 = make_weights(e=3, hidden=512, inter=384)
+    cuda = tuple(tuple(t.cuda() for t in pair) for pair in (l1, l2))
+    (t1, _), (t2, _) = transform_weights(l1, l2)
+    (g1, _), (g2, _) = transform_weights(*cuda)
+    assert same_bytes(g1.cpu(), t1) and same_bytes(g2.cpu(), t2)
+    (b1, _), (b2, _) = inverse_transform_weights((g1, cuda[0][1]), (g2, cuda[1][1]))
+    assert same_bytes(b1.cpu(), l1[0]) and same_bytes(b2.cpu(), l2[0])
