@@ -130,15 +130,23 @@ def test_layer_num_tokens_hint(num_tokens_hint: int) -> None:
 
 
 @pytest.mark.gpu
-def test_layer_cuda_graph() -> None:
+def test_layer_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """One capture at a fixed T = 64 (padded slots -1) with that bucket as the hint, as a serving framework
-    captures its decode graphs, replayed with new hidden states and routing each time."""
+    captures its decode graphs, replayed with new hidden states and routing each time. `prepare` is all the
+    capture needs before it (no eager call), and nothing compiles after it."""
+    from megamoe.jit import compiler
+
     layer, tensors = _layer(5)
     (w1, w1_sf), (w2, w2_sf) = _natural(tensors)
     num_tokens = 64
     static = [t.cuda() for t in routed_hidden_states(num_tokens, SHAPE["hidden"], SHAPE["num_experts"],
                                                      SHAPE["num_topk"], 0)]
-    layer(*static, num_tokens_hint=num_tokens)  # compiles and loads the kernels outside the capture
+    layer.prepare([num_tokens])
+
+    def no_build(name: str, *args: object, **kwargs: object) -> None:
+        raise AssertionError(f"{name} was compiled or looked up after prepare")
+
+    monkeypatch.setattr(compiler, "build", no_build)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = layer(*static, num_tokens_hint=num_tokens)

@@ -83,16 +83,21 @@ class SymmBuffer:
             self.intermediate_hidden, num_sms=num_sms(self.device),
             expected_tokens_per_expert=expected_tokens_per_expert)
 
+    def barrier(self) -> None:
+        """Wait for this device's work, then meet the group's other ranks (collective; nothing with one rank)."""
+        if self.num_ranks == 1:
+            return
+        import torch.distributed as dist
+
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.device(self.device):  # NCCL's barrier runs on the current device: make it the buffer's
+            dist.barrier(group=self.group)
+
     def destroy(self) -> None:
         """Release the memory (collective for several ranks: every rank calls it)."""
         if self.buffer is None:
             return
-        if self.num_ranks > 1:
-            import torch.distributed as dist
-
-            torch.cuda.synchronize(self.device)
-            with torch.cuda.device(self.device):  # NCCL's barrier runs on the current device: make it the buffer's
-                dist.barrier(group=self.group)
+        self.barrier()
         self.handle = None
         self.buffer = None  # type: ignore[assignment]
         for name in ("x", "x_sf", "topk_idx", "topk_weights"):
@@ -128,7 +133,6 @@ def allocate(group: Any, layout: SymmLayout, device: torch.device) -> SymmBuffer
         raise RuntimeError(f"symmetric-memory rendezvous gave rank {handle.rank} of {handle.world_size}, the group "
                            f"rank {rank} of {num_ranks}")
     buffer.zero_()
-    torch.cuda.synchronize(device)
-    with torch.cuda.device(device):  # NCCL's barrier runs on the current device: make it the buffer's
-        dist.barrier(group=group)
-    return SymmBuffer(group, layout, rank, num_ranks, buffer, tuple(int(p) for p in handle.buffer_ptrs), handle)
+    buf = SymmBuffer(group, layout, rank, num_ranks, buffer, tuple(int(p) for p in handle.buffer_ptrs), handle)
+    buf.barrier()  # every rank's buffer zeroed before any kernel of any rank reads it
+    return buf

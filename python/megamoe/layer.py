@@ -7,12 +7,13 @@
 
 Each forward: one kernel casts the BF16 hidden states to FP8 with per-128 float SF and writes them with the
 routing into the symmetric buffer (megamoe.kernels.input_cast), then the fused kernel runs the layer. Capturable
-in a CUDA graph at a fixed token count (pad the slots of unused tokens with -1) once one eager call has compiled
-and loaded the kernels; the routing checks that read device memory are skipped under capture.
+in a CUDA graph at a fixed token count (pad the slots of unused tokens with -1) once `prepare` (or one eager call
+per hint) has compiled and loaded the kernels; the routing checks that read device memory are skipped under
+capture.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -73,6 +74,32 @@ class MoELayer(torch.nn.Module):
     def reset_recv_stats(self) -> None:
         self.recv_stats.zero_()
 
+    def _expected_tokens_per_expert(self, num_tokens_hint: int | None) -> float | None:
+        """The kernel config's load for a forward's `num_tokens_hint` (None: the buffer's maximum)."""
+        if num_tokens_hint is None:
+            return None
+        hint = api._check_int("num_tokens_hint", num_tokens_hint)
+        if not 0 < hint <= self.max_tokens_per_rank:
+            raise ValueError(f"num_tokens_hint must be in [1, max_tokens_per_rank = {self.max_tokens_per_rank}], "
+                             f"got {hint}")
+        return heuristics.default_expected_tokens_per_expert(self.buffer.layout.num_ranks, self.num_experts, hint,
+                                                             self.num_topk)
+
+    def prepare(self, num_tokens_hints: Iterable[int | None] = (None,)) -> None:
+        """Compile and load every kernel a forward with these `num_tokens_hint` values can launch (each hint's fused
+        variant, None for the default; the input fill for int32 and int64 ids), then meet the group's other ranks.
+        Collective: every rank calls it with the same hints. After it a forward with one of these hints compiles
+        nothing, so no rank compiles while its peers wait at the fused kernel's NVLink barrier (DESIGN 5c), and
+        CUDA graphs can be captured without an eager call first."""
+        from megamoe.fused.launch import prepare as prepare_fused
+
+        for hint in num_tokens_hints:
+            prepare_fused(self.buffer, activation_clamp=self.activation_clamp, fast_math=self.fast_math,
+                          expected_tokens_per_expert=self._expected_tokens_per_expert(hint))
+        for idx64 in (False, True):
+            input_cast.load(self.buffer, idx64)
+        self.buffer.barrier()
+
     def forward(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 *, num_tokens_hint: int | None = None) -> torch.Tensor:
         """BF16 [T, H] routed-expert output of BF16 hidden_states [T, H] (T <= max_tokens_per_rank), topk_idx
@@ -81,19 +108,11 @@ class MoELayer(torch.nn.Module):
         num_tokens_hint: the tokens per rank this call is sized for, the same on every rank (a serving
         framework's batch bucket, e.g. its CUDA-graph batch size at decode); the kernel config (BLOCK_M) is chosen
         for that load instead of for max_tokens_per_rank, which at decode is several times faster. The output
-        does not depend on it. Each distinct hint may compile a kernel variant: make one eager call per hint
-        before capturing graphs."""
+        does not depend on it. Each distinct hint may compile a kernel variant: `prepare` the hints (or make one
+        eager call per hint) before capturing graphs."""
         if self.l1 is None or self.l2 is None:
             raise RuntimeError("MoELayer has no weights: call load_weights or set_weights first")
-        expected = None
-        if num_tokens_hint is not None:
-            hint = api._check_int("num_tokens_hint", num_tokens_hint)
-            if not 0 < hint <= self.max_tokens_per_rank:
-                raise ValueError(f"num_tokens_hint must be in [1, max_tokens_per_rank = {self.max_tokens_per_rank}]"
-                                 f", got {hint}")
-            lay = self.buffer.layout
-            expected = heuristics.default_expected_tokens_per_expert(lay.num_ranks, self.num_experts, hint,
-                                                                     self.num_topk)
+        expected = self._expected_tokens_per_expert(num_tokens_hint)
         num_tokens = input_cast.run(self.buffer, hidden_states, topk_idx, topk_weights)
         y = torch.empty(num_tokens, self.hidden, dtype=torch.bfloat16, device=self.buffer.device)
         api.fused(y, self.l1, self.l2, self.buffer, num_tokens, self.recv_stats, self.activation_clamp,

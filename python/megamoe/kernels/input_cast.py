@@ -16,6 +16,7 @@ from megamoe.jit.compiler import CompileResult
 
 if TYPE_CHECKING:
     from megamoe.buffer import SymmBuffer
+    from megamoe.jit.runtime import Kernel
 
 NUM_THREADS = 128
 
@@ -101,6 +102,19 @@ def check_inputs(x: torch.Tensor, x_sf: torch.Tensor, topk_idx_out: torch.Tensor
     return num_tokens
 
 
+def kernel(hidden: int, num_topk: int, idx64: bool) -> Kernel:
+    """The fill kernel for these sizes and id type, compiled or found in the cache (once per process)."""
+    from megamoe.jit import runtime
+
+    return runtime.kernel_for(compile_input_cast, InputCastConfig(hidden, num_topk, idx64), NUM_THREADS,
+                              cooperative=False)
+
+
+def load(buf: SymmBuffer, idx64: bool) -> None:
+    """Compile and load on buf's device the fill kernel a `run` with int64 (else int32) ids launches."""
+    kernel(buf.hidden, buf.num_topk, idx64).load(buf.device, 0)
+
+
 def fill(x: torch.Tensor, x_sf: torch.Tensor, topk_idx_out: torch.Tensor, topk_weights_out: torch.Tensor,
          hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
          num_tokens: int | None = None, routed_scaling_factor: float = 1.0, clear_rows: bool = False,
@@ -108,22 +122,19 @@ def fill(x: torch.Tensor, x_sf: torch.Tensor, topk_idx_out: torch.Tensor, topk_w
     """Fill the input regions' first T rows from BF16 `hidden_states` and the routing (weights times
     `routed_scaling_factor`); with `clear_rows`, every later row of the regions gets ids -1 and weights 0. T is
     `num_tokens`, else hidden_states' rows. Returns T."""
-    from megamoe.jit import runtime
-
     num_tokens = check_inputs(x, x_sf, topk_idx_out, topk_weights_out, hidden_states, topk_idx, topk_weights,
                               num_tokens)
     num_rows = topk_idx_out.shape[0] if clear_rows else num_tokens
-    config = InputCastConfig(x.shape[1], topk_idx_out.shape[1], topk_idx.dtype == torch.int64)
-    kernel = runtime.kernel_for(compile_input_cast, config, NUM_THREADS, cooperative=False)
+    fill_kernel = kernel(x.shape[1], topk_idx_out.shape[1], topk_idx.dtype == torch.int64)
     if num_rows == 0:
         # Nothing to fill, but the kernel is compiled and loaded now: a rank whose first call has no tokens must
         # not compile it later, in a call whose peers wait for it at the fused kernel's NVLink barrier
-        kernel.load(x.device, 0)
+        fill_kernel.load(x.device, 0)
         return 0
     args = CastArgsStruct(hidden_states.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), x.data_ptr(),
                           x_sf.data_ptr(), topk_idx_out.data_ptr(), topk_weights_out.data_ptr(),
                           float(routed_scaling_factor), num_tokens)
-    kernel.launch(num_rows, [args], 0, device=x.device, stream=stream)
+    fill_kernel.launch(num_rows, [args], 0, device=x.device, stream=stream)
     return num_tokens
 
 
