@@ -235,3 +235,15 @@ def test_check_inputs_switch(setup, monkeypatch) -> None:
         megamoe.fp8_mega_moe(y, l1, l2, buf)
     with pytest.raises(ValueError, match="expert ids"):
         megamoe.fp8_mega_moe(y, l1, l2, buf, check_inputs=True)
+
+
+def test_prepare_checks_its_arguments_before_any_compile(setup) -> None:
+    buf = setup[0]
+    with pytest.raises(TypeError, match="buf must be a SymmBuffer"):
+        megamoe.prepare(None)
+    with pytest.raises(ValueError, match="expected_tokens_per_expert must be"):
+        megamoe.prepare(buf, expected_tokens_per_expert=[None, 0.0])
+    with pytest.raises(ValueError, match="activation_clamp must be"):
+        megamoe.prepare(buf, activation_clamp=-1.0)
+    with pytest.raises(RuntimeError, match="megamoe.prepare needs the symmetric buffer on an SM90 GPU"):
+        megamoe.prepare(buf)

@@ -2,13 +2,14 @@
 
     buf = megamoe.get_symm_buffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden)
     l1, l2 = megamoe.transform_weights((w1, w1_sf), (w2, w2_sf))
+    megamoe.prepare(buf)                      # optional, collective: compile and load before the first call
     megamoe.fused(y, l1, l2, buf, num_tokens=...)
     megamoe.reference.moe(...)   # the numerical contract
 """
 from __future__ import annotations
 
 from megamoe import api, fused, reference  # megamoe.fused: the package, callable as the public API (api.fused)
-from megamoe.api import get_symm_buffer, transform_weights
+from megamoe.api import get_symm_buffer, prepare, transform_weights
 from megamoe.buffer import SymmBuffer
 
 __version__ = "0.1.0"
@@ -33,5 +34,5 @@ from megamoe.compat import (  # noqa: E402
     transform_weights_for_mega_moe_sm90_fp4,
 )
 
-__all__ = ["SymmBuffer", "fused", "get_symm_buffer", "reference", "transform_weights", "compat", "utils",
+__all__ = ["SymmBuffer", "fused", "get_symm_buffer", "prepare", "reference", "transform_weights", "compat", "utils",
            *(name for name in compat.__all__ if not name.isupper())]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from numbers import Real
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from megamoe import envs
 from megamoe.layout import SymmLayout, validate_moe_shape
 from megamoe.weights import check_transformed, transform_weights, validate_weights
 
-__all__ = ["get_symm_buffer", "transform_weights", "fused", "validate_fused_args"]
+__all__ = ["get_symm_buffer", "transform_weights", "fused", "prepare", "validate_fused_args"]
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -95,6 +96,14 @@ def validate_fused_args(y: Any, l1_weights: Any, l2_weights: Any, buf: Any, num_
     if cumulative_local_expert_recv_stats is not None:
         _check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32,
                       (layout.num_local_experts,), device)
+    _check_variant_args(activation_clamp, fast_math, expected_tokens_per_expert)
+    if check_inputs and num_tokens > 0:
+        _check_routing(buf, num_tokens)
+    return num_tokens
+
+
+def _check_variant_args(activation_clamp: Any, fast_math: Any, expected_tokens_per_expert: Any) -> None:
+    """The arguments that pick the kernel variant (with the buffer's layout)."""
     if activation_clamp is not None:
         if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, Real):
             raise TypeError(f"activation_clamp must be a float or None, got {type(activation_clamp).__name__}")
@@ -109,9 +118,34 @@ def validate_fused_args(y: Any, l1_weights: Any, l2_weights: Any, buf: Any, num_
         if not (math.isfinite(expected_tokens_per_expert) and expected_tokens_per_expert > 0):
             raise ValueError(f"expected_tokens_per_expert must be a finite positive number, "
                              f"got {expected_tokens_per_expert}")
-    if check_inputs and num_tokens > 0:
-        _check_routing(buf, num_tokens)
-    return num_tokens
+
+
+def _check_sm90(buf: _buffer.SymmBuffer, name: str) -> None:
+    if buf.device.type != "cuda" or torch.cuda.get_device_capability(buf.device) != (9, 0):
+        raise RuntimeError(f"megamoe.{name} needs the symmetric buffer on an SM90 GPU (H100, H200, H20), got "
+                           f"{buf.device}")
+
+
+def prepare(buf: _buffer.SymmBuffer, *, expected_tokens_per_expert: Iterable[float | None] = (None,),
+            activation_clamp: float | None = None, fast_math: bool = True) -> None:
+    """Compile and load the kernel variant `fused` launches on `buf` for each `expected_tokens_per_expert` value
+    (None: the default config) with this clamp and math, then meet the group's other ranks. Collective: every rank
+    calls it with the same arguments. A `fused` call with prepared arguments compiles nothing, so no rank compiles
+    while its peers wait at the kernel's NVLink barrier (a compile takes seconds; the peers time out after
+    MEGAMOE_TIMEOUT_S), and CUDA graphs can be captured without an eager call first."""
+    if not isinstance(buf, _buffer.SymmBuffer):
+        raise TypeError(f"buf must be a SymmBuffer from megamoe.get_symm_buffer, got {type(buf).__name__}")
+    buf._check_alive()
+    expected = list(expected_tokens_per_expert)
+    for value in expected:
+        _check_variant_args(activation_clamp, fast_math, value)
+    _check_sm90(buf, "prepare")
+    from megamoe.fused.launch import prepare as prepare_variant
+
+    for value in expected:
+        prepare_variant(buf, activation_clamp=activation_clamp, fast_math=fast_math,
+                        expected_tokens_per_expert=value)
+    buf.barrier()
 
 
 def _check_routing(buf: _buffer.SymmBuffer, num_tokens: int) -> None:
@@ -160,9 +194,7 @@ def fused(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tensor],
                                                              torch.cuda.is_current_stream_capturing())
     num_tokens = validate_fused_args(y, l1_weights, l2_weights, buf, num_tokens, cumulative_local_expert_recv_stats,
                                      activation_clamp, fast_math, expected_tokens_per_expert, check_inputs)
-    if buf.device.type != "cuda" or torch.cuda.get_device_capability(buf.device) != (9, 0):
-        raise RuntimeError(f"megamoe.fused needs the symmetric buffer on an SM90 GPU (H100, H200, H20), got "
-                           f"{buf.device}")
+    _check_sm90(buf, "fused")
     from megamoe.jit.runtime import num_sms as device_num_sms
 
     max_sms = device_num_sms(buf.device)

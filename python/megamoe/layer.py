@@ -91,14 +91,11 @@ class MoELayer(torch.nn.Module):
         Collective: every rank calls it with the same hints. After it a forward with one of these hints compiles
         nothing, so no rank compiles while its peers wait at the fused kernel's NVLink barrier (DESIGN 5c), and
         CUDA graphs can be captured without an eager call first."""
-        from megamoe.fused.launch import prepare as prepare_fused
-
-        for hint in num_tokens_hints:
-            prepare_fused(self.buffer, activation_clamp=self.activation_clamp, fast_math=self.fast_math,
-                          expected_tokens_per_expert=self._expected_tokens_per_expert(hint))
+        expected = [self._expected_tokens_per_expert(hint) for hint in num_tokens_hints]
         for idx64 in (False, True):
             input_cast.load(self.buffer, idx64)
-        self.buffer.barrier()
+        api.prepare(self.buffer, expected_tokens_per_expert=expected, activation_clamp=self.activation_clamp,
+                    fast_math=self.fast_math)
 
     def forward(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 *, num_tokens_hint: int | None = None) -> torch.Tensor:
