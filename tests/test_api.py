@@ -247,3 +247,7 @@ def test_prepare_checks_its_arguments_before_any_compile(setup) -> None:
         megamoe.prepare(buf, activation_clamp=-1.0)
     with pytest.raises(RuntimeError, match="megamoe.prepare needs the symmetric buffer on an SM90 GPU"):
         megamoe.prepare(buf)
+    with pytest.raises(TypeError, match="expected_tokens_per_expert must be a number"):
+        megamoe.prepare(buf, expected_tokens_per_expert="8")
+    with pytest.raises(RuntimeError, match="SM90 GPU"):
+        megamoe.prepare(buf, expected_tokens_per_expert=1.5)  # one value as it is, or a list

@@ -3,8 +3,8 @@ arguments and raises ValueError/TypeError naming the argument before any kernel 
 from __future__ import annotations
 
 import math
-from numbers import Real
 from collections.abc import Iterable
+from numbers import Real
 from typing import Any
 
 import torch
@@ -126,7 +126,8 @@ def _check_sm90(buf: _buffer.SymmBuffer, name: str) -> None:
                            f"{buf.device}")
 
 
-def prepare(buf: _buffer.SymmBuffer, *, expected_tokens_per_expert: Iterable[float | None] = (None,),
+def prepare(buf: _buffer.SymmBuffer, *,
+            expected_tokens_per_expert: float | None | Iterable[float | None] = (None,),
             activation_clamp: float | None = None, fast_math: bool = True) -> None:
     """Compile and load the kernel variant `fused` launches on `buf` for each `expected_tokens_per_expert` value
     (None: the default config) with this clamp and math, then meet the group's other ranks. Collective: every rank
@@ -136,7 +137,8 @@ def prepare(buf: _buffer.SymmBuffer, *, expected_tokens_per_expert: Iterable[flo
     if not isinstance(buf, _buffer.SymmBuffer):
         raise TypeError(f"buf must be a SymmBuffer from megamoe.get_symm_buffer, got {type(buf).__name__}")
     buf._check_alive()
-    expected = list(expected_tokens_per_expert)
+    expected = ([expected_tokens_per_expert] if expected_tokens_per_expert is None or
+                isinstance(expected_tokens_per_expert, (Real, str)) else list(expected_tokens_per_expert))
     for value in expected:
         _check_variant_args(activation_clamp, fast_math, value)
     _check_sm90(buf, "prepare")
@@ -185,9 +187,10 @@ def fused(y: torch.Tensor, l1_weights: tuple[torch.Tensor, torch.Tensor],
     every rank calls it, with the same `expected_tokens_per_expert` and `num_sms`). Weights come from
     `transform_weights`. `check_inputs=False` skips the routing checks that read device memory (a device sync);
     the default skips them while the current stream is capturing a CUDA graph, and always where the environment
-    sets MEGAMOE_CHECK_INPUTS=0 (serving frameworks that call DeepGEMM's `fp8_mega_moe` eagerly and cannot pass it). `num_sms`: the grid size
-    (default: every SM). The launch is cooperative: a full grid starts
-    only once every other kernel on the GPU has drained; with fewer SMs it runs beside them.
+    sets MEGAMOE_CHECK_INPUTS=0 (serving frameworks that call DeepGEMM's `fp8_mega_moe` eagerly and cannot pass it).
+    `num_sms`: the grid size (default: every SM). The launch is cooperative: a full grid starts only once every
+    other kernel on the GPU has drained; with fewer SMs it runs beside them. `prepare` compiles and loads the
+    variants ahead of the first call.
     """
     if check_inputs is None:
         check_inputs = envs.check_inputs_default() and not (torch.cuda.is_available() and
