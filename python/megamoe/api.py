@@ -69,9 +69,7 @@ def validate_fused_args(y: Any, l1_weights: Any, l2_weights: Any, buf: Any, num_
                         check_inputs: bool = True) -> int:
     """Every check of `fused`, returning the token count T. `check_inputs` also reads the routing in the buffer
     (a device sync; turn it off under CUDA-graph capture)."""
-    if not isinstance(buf, _buffer.SymmBuffer):
-        raise TypeError(f"buf must be a SymmBuffer from megamoe.get_symm_buffer, got {type(buf).__name__}")
-    buf._check_alive()
+    _check_buffer(buf)
     layout, device = buf.layout, buf.device
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
@@ -100,6 +98,12 @@ def validate_fused_args(y: Any, l1_weights: Any, l2_weights: Any, buf: Any, num_
     if check_inputs and num_tokens > 0:
         _check_routing(buf, num_tokens)
     return num_tokens
+
+
+def _check_buffer(buf: Any) -> None:
+    if not isinstance(buf, _buffer.SymmBuffer):
+        raise TypeError(f"buf must be a SymmBuffer from megamoe.get_symm_buffer, got {type(buf).__name__}")
+    buf._check_alive()
 
 
 def _check_variant_args(activation_clamp: Any, fast_math: Any, expected_tokens_per_expert: Any) -> None:
@@ -134,9 +138,7 @@ def prepare(buf: _buffer.SymmBuffer, *,
     calls it with the same arguments. A `fused` call with prepared arguments compiles nothing, so no rank compiles
     while its peers wait at the kernel's NVLink barrier (a compile takes seconds; the peers time out after
     MEGAMOE_TIMEOUT_S), and CUDA graphs can be captured without an eager call first."""
-    if not isinstance(buf, _buffer.SymmBuffer):
-        raise TypeError(f"buf must be a SymmBuffer from megamoe.get_symm_buffer, got {type(buf).__name__}")
-    buf._check_alive()
+    _check_buffer(buf)
     expected = ([expected_tokens_per_expert] if expected_tokens_per_expert is None or
                 isinstance(expected_tokens_per_expert, (Real, str)) else list(expected_tokens_per_expert))
     for value in expected:

@@ -5,8 +5,8 @@ import os
 from pathlib import Path
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+def _flag(name: str, default: str = "0") -> bool:
+    return os.environ.get(name, default).strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def jit_cache_dir() -> Path:
@@ -27,7 +27,7 @@ def print_configs() -> bool:
 def check_inputs_default() -> bool:
     """MEGAMOE_CHECK_INPUTS=0: `fused` (and DeepGEMM's `fp8_mega_moe`) skip the routing checks that read device memory
     (a device sync per call) unless the caller passes check_inputs=True; default 1 (checked on eager calls)."""
-    return os.environ.get("MEGAMOE_CHECK_INPUTS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _flag("MEGAMOE_CHECK_INPUTS", default="1")
 
 
 def n_major_override() -> int:
