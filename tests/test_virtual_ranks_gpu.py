@@ -5,6 +5,10 @@ the multigpu tier covers them).
 
 - The fused kernel at R = 2 and 4, ranks with different T (one with T = 0), recv stats, two calls per case (the
   second on the workspace the first one left): y against reference.moe on every rank.
+- The same with a different kernel variant on each rank (BLOCK_M 32 / 64 / 128 from per-rank expected loads, one
+  rank phase-serial): the cross-rank protocol (slot reservations, pulls, combine rows and their counts, barriers)
+  does not depend on the variant, so a serving framework that sizes each rank's call from its own batch gets the
+  right y, only not the config the shared load would pick.
 - The fused kernel's calls back to back on each rank's stream (no host sync between them, the ranks drifting
   apart): the case its end without a barrier must survive (assembler/fused_kernel.cuh).
 - The dispatch/combine unit kernel's exact 2-rank cases (its multigpu tier's `_scenario_exact` matrix: every
@@ -30,6 +34,13 @@ FUSED_SHAPE = (8, 6, 2048, 1024, 128)
 
 FUSED_TOKENS = [[128, 0], [77, 128], [100, 0, 37, 128], [1, 128, 128, 64]]
 
+# Per rank: (T, expected_tokens_per_expert, serial). The default load of FUSED_SHAPE at R = 2 and 4 is 96 rows per
+# expert (BLOCK_M 128); 8 and 40 pick BLOCK_M 32 and 64 (heuristics.block_m_for)
+MIXED_VARIANTS = [
+    [(100, 8.0, False), (128, None, False)],
+    [(128, 8.0, False), (0, 40.0, False), (37, None, False), (90, 8.0, True)],
+]
+
 
 @pytest.mark.compile
 def test_virtual_rank_variants_compile() -> None:
@@ -42,15 +53,20 @@ def test_virtual_rank_variants_compile() -> None:
     for num_ranks in sorted({len(t) for t in FUSED_TOKENS}):
         compile_fused(config_for(SymmLayout.create(num_ranks, experts_per_rank * num_ranks, max_tokens, num_topk,
                                                    hidden, intermediate)))
+    for ranks in MIXED_VARIANTS:
+        layout = SymmLayout.create(len(ranks), experts_per_rank * len(ranks), max_tokens, num_topk, hidden,
+                                   intermediate)
+        for _, expected, serial in ranks:
+            compile_fused(config_for(layout, expected_tokens_per_expert=expected, serial=serial))
     buf = virtual_rank_buffers(*DC_SHAPE, device="cpu")[0]
     for block_m in (32, 64, 128):
         dc.compile_kernel(dc.config_for(buf, block_m))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", FUSED_TOKENS,
-                         ids=lambda t: "T" + "_".join(map(str, t)))
-def test_fused_virtual_ranks(tokens: list[int]) -> None:
+def _fused_virtual_case(tokens: list[int], rank_kwargs: list[dict]) -> list[int]:
+    """Two calls of the fused kernel on R virtual ranks (`rank_kwargs[r]`: rank r's extra `run` arguments): y and
+    the recv stats against the reference on every rank, the workspace ready after each call. Returns each rank's
+    BLOCK_M."""
     from megamoe.fused.launch import prepare, run
 
     num_ranks = len(tokens)
@@ -70,18 +86,17 @@ def test_fused_virtual_ranks(tokens: list[int]) -> None:
                            fast_math=True, cumulative_local_expert_recv_stats=stats_ref)
     ys = [torch.empty(t, hidden, dtype=torch.bfloat16, device="cuda") for t in tokens]
     grid = grid_per_rank(num_ranks)
-    for buf in bufs:
-        prepare(buf)
+    block_ms = [prepare(buf, **kwargs).block_m for buf, kwargs in zip(bufs, rank_kwargs)]
     for call in range(2):
         for r, buf in enumerate(bufs):
             _fill(buf, rc.x[r], rc.x_sf[r], rc.topk_idx[r], rc.topk_weights[r])
             ys[r].fill_(float("nan"))
         launch_concurrently([
             lambda stream, r=r: run(ys[r], pairs[r][0], pairs[r][1], bufs[r], tokens[r], recv_stats=stats[r],
-                                    num_sms=grid, stream=stream)
+                                    num_sms=grid, stream=stream, **rank_kwargs[r])
             for r in range(num_ranks)])
         for r in range(num_ranks):
-            tag = f"seed {seed} R {num_ranks} T {tokens} call {call} rank {r}"
+            tag = f"seed {seed} R {num_ranks} T {tokens} BLOCK_M {block_ms} call {call} rank {r}"
             err = _check_y(tag, ys[r], y_refs[r])
             assert_workspace_ready(bufs[r], tag, tokens[r])
             print(f"{tag}: y rel-L2 {err:.3e}")
@@ -90,6 +105,25 @@ def test_fused_virtual_ranks(tokens: list[int]) -> None:
         rows = stats_ref[r] - initial[r]
         assert torch.equal(stats[r], initial[r] + 2 * rows), (f"seed {seed} rank {r}: recv stats "
                                                               f"{stats[r].tolist()}, expected initial + 2 x {rows.tolist()}")
+    return block_ms
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", FUSED_TOKENS,
+                         ids=lambda t: "T" + "_".join(map(str, t)))
+def test_fused_virtual_ranks(tokens: list[int]) -> None:
+    _fused_virtual_case(tokens, [{}] * len(tokens))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", MIXED_VARIANTS, ids=lambda v: f"R{len(v)}")
+def test_fused_virtual_ranks_mixed_variants(ranks: list[tuple[int, float | None, bool]]) -> None:
+    """Each rank runs its own variant (BLOCK_M from its own expected load, one rank phase-serial)."""
+    tokens = [t for t, _, _ in ranks]
+    kwargs = [{"expected_tokens_per_expert": expected, "serial": serial} for _, expected, serial in ranks]
+    block_ms = _fused_virtual_case(tokens, kwargs)
+    # The ranks must run different BLOCK_M, else the case tests nothing beyond test_fused_virtual_ranks
+    assert len(set(block_ms)) > 1, f"BLOCK_M per rank {block_ms}: the expected loads no longer pick different variants"
 
 
 # Calls per rank in the back-to-back test
