@@ -103,8 +103,8 @@ def _fused_virtual_case(tokens: list[int], rank_kwargs: list[dict]) -> list[int]
     # Two calls each added what every local expert received (counted across the ranks); the reference added it once
     for r in range(num_ranks):
         rows = stats_ref[r] - initial[r]
-        assert torch.equal(stats[r], initial[r] + 2 * rows), (f"seed {seed} rank {r}: recv stats "
-                                                              f"{stats[r].tolist()}, expected initial + 2 x {rows.tolist()}")
+        assert torch.equal(stats[r], initial[r] + 2 * rows), (
+            f"seed {seed} rank {r}: recv stats {stats[r].tolist()}, expected initial + 2 x {rows.tolist()}")
     return block_ms
 
 
