@@ -53,8 +53,9 @@ FUSED_SHAPES = {
 }
 FUSED_SEEDS = (0, 1, 2)
 # The pull staging's stages per dispatch warp timed beside the default (2, which leaves a fifth GEMM stage at
-# BLOCK_M 128; issue: size the pull staging from the GEMM's stage count)
-PULL_STAGE_VARIANTS = (4,)
+# BLOCK_M 128 and H 4096; issue: size the pull staging from the GEMM's stage count). At H 7168 (--shape pro) 2 pull
+# stages leave 4 GEMM stages at BLOCK_M 128 and 1 leaves 5, so 1 is timed too.
+PULL_STAGE_VARIANTS = (1, 4)
 FUSED_MAX_Y_REL_L2 = 1e-2  # as the gpu tests (tests/test_fused_gpu.py: MAX_Y_REL_L2)
 FUSED_FORMULA = (
     "floor = FP8 weight bytes of the experts touched (3 x H x I each) / {hbm:g} TB/s; x floor = time / floor; "
@@ -345,7 +346,8 @@ def bench_fused(tokens: Sequence[int] | None = None, seeds: Sequence[int] = FUSE
                 runners[f"fused, overlapped{label}"] = (
                     lambda tiles=tiles: fused_run(y[False], l1, l2, buf, t, serial=False, min_wave_l1_tiles=tiles))
             for p in PULL_STAGE_VARIANTS:
-                runners[f"fused, overlapped, {p} pull stages"] = (
+                stages = config_for(configs[False].layout, pull_stages=p).num_stages
+                runners[f"fused, overlapped, {p} pull stage{'s' * (p > 1)} ({stages} GEMM stages)"] = (
                     lambda p=p: fused_run(y[False], l1, l2, buf, t, serial=False, pull_stages=p))
             # The variant of the call's own load (BLOCK_M, GEMM stages), where it is not the buffer's default
             if fitted != configs[False]:
