@@ -153,6 +153,10 @@ def test_targets(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(script), str(path)], check=True, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(script.parent.parent / "python"))).stdout
     assert "| 8 | 167.0 / 170.0 / 168.0 (1.11-1.13x) | 180.0 / 180.0 / 180.0 |" in out
+    # every fused variant's cold times per T (warm rows and the unit kernel left out)
+    assert "| 8 | fused, overlapped | 217.0 / 220.0 / 218.0 |" in out
+    assert "| 8 | fused, overlapped, config for the call's load (BLOCK_M 32, 8 stages) | 167.0 / 170.0 / 168.0 |" in out
+    assert "| 8 | expert-FFN" not in out and "| 1.0" not in out
     assert "flash T 4096 unit kernel / fused 0.8846 (>= 0.9: NO)" in out and "pro:" in out
 
 
