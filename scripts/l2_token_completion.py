@@ -32,13 +32,20 @@ LATE_POSITIONS = (0.8, 0.9, 0.95, 0.98)
 LAST_SHARES = (0.05, 0.1, 0.2, 0.3)
 
 
+def token_completions(unit_done: dict[tuple[int, int], float], total: float, pool_rank: dict[tuple[int, int], int],
+                      topk_idx: torch.Tensor, block_m: int) -> list[float]:
+    """Each token's completion (the latest `unit_done` of the (expert, m-block) units holding its rows) / `total`,
+    sorted."""
+    return sorted(max(unit_done[(e, pool_rank[(e, token)] // block_m)] for e in experts) / total
+                  for token, experts in enumerate(topk_idx.tolist()))
+
+
 def completion_stats(order: Sequence[scheduler.Task], pool_rank: dict[tuple[int, int], int],
                      topk_idx: torch.Tensor, block_m: int) -> list[float]:
     """Quantiles of the tokens' completion positions in `order` (L2 tasks only), as fractions of its length, then
     the shares of the tokens completing after each of LATE_POSITIONS."""
-    last = {(task.expert_idx, task.m_block_idx): i for i, task in enumerate(order)}
-    done = sorted(max(last[(e, pool_rank[(e, token)] // block_m)] for e in experts) / len(order)
-                  for token, experts in enumerate(topk_idx.tolist()))
+    last = {(task.expert_idx, task.m_block_idx): float(i) for i, task in enumerate(order)}
+    done = token_completions(last, len(order), pool_rank, topk_idx, block_m)
     return ([done[int(q * len(done))] for q in QUANTILES] +
             [sum(1 for d in done if d > p) / len(done) for p in LATE_POSITIONS])
 
@@ -70,8 +77,7 @@ def timed_completion_stats(order: Sequence[scheduler.Task], pool_rank: dict[tupl
         t += l1_weight if task.phase == "l1" else 1.0
         if task.phase == "l2":
             ends[(task.expert_idx, task.m_block_idx)] = t
-    done = sorted(max(ends[(e, pool_rank[(e, token)] // block_m)] for e in experts) / t
-                  for token, experts in enumerate(topk_idx.tolist()))
+    done = token_completions(ends, t, pool_rank, topk_idx, block_m)
     return ([done[int(q * len(done))] for q in QUANTILES] +
             [sum(1 for d in done if d > 1.0 - p) / len(done) for p in LAST_SHARES])
 
