@@ -307,7 +307,7 @@ MEGAMOE_DEVICE void dispatch_role(const FusedContext<T>& ctx, uint32_t warp) {
         while (globaltimer_ns() - start_ns < kDebugPullDelayNs)
             __nanosleep(1000);
     }
-    dispatch::pull_rows_pipelined<T::BLOCK_M, T::kPullStages, false>(
+    dispatch::pull_rows_pipelined<T::BLOCK_M, T::kPullStages, false, T::kPullRowsPerRelease>(
         tiered_env(ctx.env, kTierPeer, kRoleDispatch), ctx.sym, ctx.table,
         ctx.smem + T::kOffsetPull + warp * T::kPullStages * dispatch::kPullStageBytes,
         ctx.pull_barriers + warp * T::kPullStages, ctx.cta_idx() * kNumDispatchWarps + warp,
