@@ -65,8 +65,8 @@ MEGAMOE_DEVICE void wait_pool_block(const DeviceEnv& env, const SymBuffer& sym, 
                                     const dispatch::RowLocation& loc, uint32_t lane) {
     const uint32_t pool_block = loc.pool_row / T::kBlockM;
     const uint32_t num_block_rows = dispatch::num_rows_in_block<T::kBlockM>(table, loc);
-    // NOTES: lane 0's ld.acquire.gpu pairs with the pullers' red.release.gpu (pull.cuh: release_row /
-    // release_pipelined_row); __syncwarp extends the acquire to the other lanes before their plain loads of the pool.
+    // NOTES: lane 0's ld.acquire.gpu pairs with the pullers' releases (pull.cuh: release_row / release_pipelined_row /
+    // release_pipelined_rows); __syncwarp extends the acquire to the other lanes before their plain loads of the pool.
     if (lane == 0) {
         const uint32_t* arrival = dispatch::l1_arrival_count(sym) + pool_block;
         bounded_wait(

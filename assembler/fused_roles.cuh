@@ -81,8 +81,9 @@ struct FusedContext {
 };
 
 // Wait until `counter` reaches `target`, then let the async proxy read what it publishes.
-// NOTES: the ld.acquire.gpu pairs with the writers' red.release.gpu (the pull's release of each row, issued after
-// its bulk store completed and its generic stores were fenced for the async proxy; the L1 epilogue's release after
+// NOTES: the ld.acquire.gpu pairs with the writers' releases (the pull's red.release.gpu of each row, or at
+// BLOCK_M 128 one fence.release.gpu and relaxed adds for several rows, issued after their bulk stores completed
+// and their generic stores were fenced for the async proxy; the L1 epilogue's release after
 // its TMA stores completed); fence.proxy.async.global after the acquire and before this warp's TMA loads
 // (DESIGN 5b, 5c).
 MEGAMOE_DEVICE void wait_pool_counter(const DeviceEnv& env, const char* tag, const uint32_t* counter,
@@ -307,7 +308,7 @@ MEGAMOE_DEVICE void dispatch_role(const FusedContext<T>& ctx, uint32_t warp) {
         while (globaltimer_ns() - start_ns < kDebugPullDelayNs)
             __nanosleep(1000);
     }
-    dispatch::pull_rows_pipelined<T::BLOCK_M, T::kPullStages, false>(
+    dispatch::pull_rows_pipelined<T::BLOCK_M, T::kPullStages, false, T::kPullRowsPerRelease>(
         tiered_env(ctx.env, kTierPeer, kRoleDispatch), ctx.sym, ctx.table,
         ctx.smem + T::kOffsetPull + warp * T::kPullStages * dispatch::kPullStageBytes,
         ctx.pull_barriers + warp * T::kPullStages, ctx.cta_idx() * kNumDispatchWarps + warp,

@@ -74,6 +74,9 @@ struct FusedTraits {
     // A/B on an H100 (cold, seeds 0 / 1 / 2): T 4096 7-13 us faster, T 1024 within 1-2 us; at the decode configs
     // (BLOCK_M 32) T 8 and 128 2.5-4 us slower, the L2 tiles starting later (notes/fused.md).
     static constexpr bool kBatchL1Releases = BLOCK_M == 128;
+    // The pull's rows published kPullRowsPerRelease per fence at BLOCK_M 128 (each MEMBAR.GPU drains
+    // what the SM has in flight, also for the math warps: notes/fused.md, "The release's fence, split")
+    static constexpr uint32_t kPullRowsPerRelease = BLOCK_M == 128 ? 4 : 1;
     static constexpr uint32_t kOffsetL1Releases = kOffsetStaging + kStagingBytes;
     static constexpr uint32_t kL1ReleasesBytes = kBatchL1Releases ? epilogue::L1EpilogueState::kListBytes : 0;
     static constexpr uint32_t kOffsetPull = align_up<uint32_t>(kOffsetL1Releases + kL1ReleasesBytes, 128);

@@ -76,12 +76,12 @@ MEGAMOE_DEVICE void clean_recv_counts(const SymBuffer& sym, uint32_t parity, uin
 
 // clean_local_counters: every thread of every CTA, after the same prologue grid sync (while_waiting).
 // NOTES: expert_send_count was last touched by count_and_notify, l1_arrival_count / l1_done_count by the pull's
-// red.release and the expert's acquire loads, all before each CTA's arrival at that grid sync: its acquire
-// orders them before these stores (coherence: a red before the zero cannot land after it). Nothing reads them
-// again in this kernel; the next call runs after the kernel boundary. combine_arrival_count: every row of this
-// call was counted before its reducing warp passed its wait, and every CTA's reduce (with the overlapped reduce,
-// the barrier comes after it) ended before its arrival; the peers' next rows come after this barrier and
-// the next call's dispatch barrier.
+// releases (red.release, or relaxed adds after a fence.release) and the expert's acquire loads, all before each CTA's
+// arrival at that grid sync: its acquire orders them before these stores (coherence: a red before the zero cannot land
+// after it). Nothing reads them again in this kernel; the next call runs after the kernel boundary.
+// combine_arrival_count: every row of this call was counted before its reducing warp passed its wait, and every CTA's
+// reduce (with the overlapped reduce, the barrier comes after it) ended before its arrival; the peers' next rows come
+// after this barrier and the next call's dispatch barrier.
 template <uint32_t kNumThreads>
 MEGAMOE_DEVICE void clean_local_counters(const SymBuffer& sym, uint32_t parity, uint32_t cta_idx, uint32_t num_ctas,
                                          uint32_t thread_idx) {

@@ -21,6 +21,10 @@ MEGAMOE_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: 
 
 MEGAMOE_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+// Release only (PTX ISA 8.6, sm_90): with a later relaxed write, a release pattern. SASS (nvcc 13.0): MEMBAR.ALL.GPU
+// without the L1 invalidation (CCTL.IVALL) that fence.acq_rel.gpu adds for its acquire half.
+MEGAMOE_DEVICE void fence_release_gpu() { asm volatile("fence.release.gpu;" ::: "memory"); }
+
 // Makes mbarrier.init visible to the async proxy (TMA completes on the barrier) before first use.
 MEGAMOE_DEVICE void fence_mbarrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");

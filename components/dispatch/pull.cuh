@@ -138,17 +138,39 @@ MEGAMOE_DEVICE void release_pipelined_row(const SymBuffer& sym, uint32_t pool_bl
         ptx::red_add_release<ptx::Scope::kGpu>(l1_arrival_count(sym) + pool_block, 1u);
 }
 
+// Publish `num_rows` pulled rows with one fence: lane j < num_rows holds the pool block of the j-th (`pool_block`).
+// Same chain as release_pipelined_row, with the release split into one fence.release.gpu for the warp and relaxed
+// increments by the lanes that hold a block.
+template <int kPendingStores>
+MEGAMOE_DEVICE void release_pipelined_rows(const SymBuffer& sym, uint32_t pool_block, uint32_t num_rows,
+                                           uint32_t lane) {
+    // NOTES: as release_pipelined_row: wait_group N completes the stores of every row but the N most recent groups'
+    // (all rows held here were committed before those). After __syncwarp each lane's fence.release.gpu (one
+    // MEMBAR for the warp) orders, by cumulativity, every lane's writes and lane 0's observed store completions
+    // before that lane's relaxed increment: the fence-based release pattern of the PTX memory model.
+    if (lane == 0)
+        ptx::bulk_wait_group<kPendingStores>();
+    ptx::fence_proxy_async_global();
+    __syncwarp();
+    ptx::fence_release_gpu();
+    if (lane < num_rows)
+        ptx::red_add_relaxed<ptx::Scope::kGpu>(l1_arrival_count(sym) + pool_block, 1u);
+}
+
 // Called by every lane of a warp, after the dispatch barrier and build_recv_table. Global pulling warp `warp_rank`
 // of `num_warps` takes received rows warp_rank + i * num_warps. Row i goes peer x -> stage i % kStages (1D bulk
 // load of the row and of its SF row, on that stage's mbarrier) -> pool (1D bulk store); up to kStages loads are in
 // flight while the oldest row lands. Lane s (s < kStages) keeps the top-k weight and the pool row of the row in
 // stage s in registers (no dynamically indexed register arrays: no local memory). kPrint: a timeout also printfs
-// (false in kernels that issue WGMMA).
-template <uint32_t kBlockM, uint32_t kStages, bool kPrint = true>
+// (false in kernels that issue WGMMA). kRowsPerRelease > 1: after each warp's first kEagerReleases rows (the first
+// pool blocks, which the first L1 tiles wait for, released row by row), one fence publishes kRowsPerRelease rows.
+template <uint32_t kBlockM, uint32_t kStages, bool kPrint = true, uint32_t kRowsPerRelease = 1,
+          uint32_t kEagerReleases = 4>
 MEGAMOE_DEVICE void pull_rows_pipelined(const DeviceEnv& env, const SymBuffer& sym, const RecvTable& table,
                                         uint8_t* smem_stages, uint64_t* stage_barriers, uint32_t warp_rank,
                                         uint32_t num_warps) {
     static_assert(kStages >= 1 and kStages <= 8, "1..8 rows in flight per warp");
+    static_assert(kRowsPerRelease >= 1 and kRowsPerRelease <= 32, "the held pool blocks live one per lane");
     constexpr uint32_t kNumTopk = layout::kNumTopk;
     const uint32_t lane = lane_idx();
     const uint32_t num_rows = table.num_rows();
@@ -199,6 +221,8 @@ MEGAMOE_DEVICE void pull_rows_pipelined(const DeviceEnv& env, const SymBuffer& s
         issue(i);
 
     uint32_t prev_block = 0;
+    uint32_t held_block = 0;  // lane j < num_held: the pool block of the j-th stored row not yet released
+    uint32_t num_held = 0;
     for (uint32_t i = 0; i < num_mine; ++ i) {
         const uint32_t stage = i % kStages;
         const uint32_t row = __shfl_sync(0xffffffffu, stage_pool_row, stage);
@@ -218,9 +242,19 @@ MEGAMOE_DEVICE void pull_rows_pipelined(const DeviceEnv& env, const SymBuffer& s
         if (lane == stage)
             *pool_topk_weight(sym, row) = stage_weight;
 
-        // Release the previous row (its store: every group but this row's is complete)
-        if (i > 0)
-            release_pipelined_row<1>(sym, prev_block, lane);
+        // Release the previous row (its store: every group but this row's is complete), or hold it until
+        // kRowsPerRelease rows share one fence
+        if constexpr (kRowsPerRelease == 1) {
+            if (i > 0)
+                release_pipelined_row<1>(sym, prev_block, lane);
+        } else if (i > 0) {
+            if (lane == num_held)
+                held_block = prev_block;
+            if (++ num_held == kRowsPerRelease or i <= kEagerReleases) {
+                release_pipelined_rows<1>(sym, held_block, num_held, lane);
+                num_held = 0;
+            }
+        }
         prev_block = row / kBlockM;
 
         // Refill the stage: the store has read it (lane 0) and every lane has read its SF (__syncwarp)
@@ -231,8 +265,15 @@ MEGAMOE_DEVICE void pull_rows_pipelined(const DeviceEnv& env, const SymBuffer& s
             issue(i + kStages);
         }
     }
-    if (num_mine > 0)
-        release_pipelined_row<0>(sym, prev_block, lane);
+    if (num_mine > 0) {
+        if constexpr (kRowsPerRelease == 1) {
+            release_pipelined_row<0>(sym, prev_block, lane);
+        } else {
+            if (lane == num_held)
+                held_block = prev_block;
+            release_pipelined_rows<0>(sym, held_block, num_held + 1, lane);
+        }
+    }
 }
 
 }  // namespace megamoe::dispatch
