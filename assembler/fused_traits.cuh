@@ -74,8 +74,10 @@ struct FusedTraits {
     // A/B on an H100 (cold, seeds 0 / 1 / 2): T 4096 7-13 us faster, T 1024 within 1-2 us; at the decode configs
     // (BLOCK_M 32) T 8 and 128 2.5-4 us slower, the L2 tiles starting later (notes/fused.md).
     static constexpr bool kBatchL1Releases = BLOCK_M == 128;
-    // The pull's rows published kPullRowsPerRelease per fence at BLOCK_M 128 (each MEMBAR.GPU drains
-    // what the SM has in flight, also for the math warps: notes/fused.md, "The release's fence, split")
+    // The pull's rows published kPullRowsPerRelease per fence at BLOCK_M 128 (each MEMBAR.GPU drains what the SM
+    // has in flight, also for the math warps: notes/fused.md, "The release's fence, split"). Same-call A/B on an
+    // H100 (cold, seeds 0 / 1 / 2) against one fence per row: 4 rows T 4096 0-10 us, T 1024 1-2 us faster; 8 rows
+    // no better at T 4096 (notes/fused.md, "The pull's rows published several per fence").
     static constexpr uint32_t kPullRowsPerRelease = BLOCK_M == 128 ? 4 : 1;
     static constexpr uint32_t kOffsetL1Releases = kOffsetStaging + kStagingBytes;
     static constexpr uint32_t kL1ReleasesBytes = kBatchL1Releases ? epilogue::L1EpilogueState::kListBytes : 0;

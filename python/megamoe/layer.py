@@ -102,11 +102,12 @@ class MoELayer(torch.nn.Module):
         """BF16 [T, H] routed-expert output of BF16 hidden_states [T, H] (T <= max_tokens_per_rank), topk_idx
         int32 or int64 [T, top-k] (-1: no expert) and float32 topk_weights [T, top-k]. Collective.
 
-        num_tokens_hint: the tokens per rank this call is sized for, the same on every rank (a serving
+        num_tokens_hint: the tokens per rank this call is sized for, normally the same on every rank (a serving
         framework's batch bucket, e.g. its CUDA-graph batch size at decode); the kernel config (BLOCK_M) is chosen
         for that load instead of for max_tokens_per_rank, which at decode is several times faster. The output
-        does not depend on it. Each distinct hint may compile a kernel variant: `prepare` the hints (or make one
-        eager call per hint) before capturing graphs."""
+        does not depend on it, also where the ranks' hints differ (each rank then runs its own variant: tested
+        on virtual ranks of one GPU, tests/test_virtual_ranks_gpu.py). Each distinct hint may compile a kernel
+        variant: `prepare` the hints (or make one eager call per hint) before capturing graphs."""
         if self.l1 is None or self.l2 is None:
             raise RuntimeError("MoELayer has no weights: call load_weights or set_weights first")
         expected = self._expected_tokens_per_expert(num_tokens_hint)
